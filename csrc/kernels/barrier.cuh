@@ -1,0 +1,84 @@
+// Cross-rank barrier and intra-kernel grid synchronisation.
+//
+// rank_barrier: epoch based. Each rank keeps its last epoch in its workspace; to pass epoch e it
+// release-stores e into its cell of every peer's barrier cells and waits until every peer's cell in
+// its own window reaches e. Epochs only grow, so no cell is ever reset and back-to-back barriers
+// need no cleaning step.
+//
+// grid_sync: generation based. CTAs count arrivals in a workspace counter; the last to arrive
+// resets the counter to 0 (workspace invariant) and bumps the generation the others wait on.
+// Needs every CTA of the grid to be resident at once: launches keep num_sms within the SMs this
+// rank may use (Runtime caps it when ranks share a GPU).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ptx.cuh"
+#include "kernels/timeout.cuh"
+#include "runtime/device_view.hpp"
+#include "runtime/geometry.hpp"
+
+namespace deep_ep {
+
+// Called by every thread of one CTA. Everything this rank wrote before the call (ordered before it
+// by __syncthreads / grid_sync) is visible to every peer after it. Returns false on timeout.
+__device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation operation) {
+  __shared__ int64_t epoch_shared;
+  __shared__ int failed_shared;
+  int64_t* epoch_cell = view.local<int64_t>(WorkspaceLayout::barrier_epoch_offset);
+  if (threadIdx.x == 0) {
+    epoch_shared = *epoch_cell + 1;
+    failed_shared = 0;
+  }
+  __syncthreads();
+  const int64_t epoch = epoch_shared;
+  for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+    // Release at system scope: cumulative over this CTA's writes ordered by the __syncthreads above.
+    ptx::st_release_sys(view.peer<int64_t>(peer, WorkspaceLayout::barrier_cells_offset + int64_t{view.rank} * 8),
+                        epoch);
+  }
+  for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+    const int64_t* cell = view.local<int64_t>(WorkspaceLayout::barrier_cells_offset + int64_t{peer} * 8);
+    const bool arrived = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch, [&](int64_t& seen) {
+      seen = ptx::ld_acquire_sys(cell);
+      return seen >= epoch;
+    });
+    if (!arrived) atomicExch(&failed_shared, 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *epoch_cell = epoch;
+  const bool ok = failed_shared == 0;
+  __syncthreads();
+  return ok;
+}
+
+// Called by every thread of every CTA of the grid, `slot` < WorkspaceLayout::kNumGridCounters and
+// used by one kernel at a time. Returns false on timeout or an earlier error.
+__device__ __forceinline__ bool grid_sync(const DeviceView& view, Operation operation, int slot) {
+  __shared__ int ok_shared;
+  // System-scope fence: writes this CTA made to peer windows are ordered before whatever another
+  // CTA publishes to peers after the sync.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* arrivals = view.local<int32_t>(WorkspaceLayout::grid_counters_offset + int64_t{slot} * 4);
+    int32_t* generation = view.local<int32_t>(WorkspaceLayout::grid_generations_offset + int64_t{slot} * 4);
+    const int32_t current = ptx::ld_acquire_gpu(generation);
+    bool ok = true;
+    if (ptx::atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int32_t>(gridDim.x) - 1) {
+      *arrivals = 0;
+      __threadfence();
+      atomicAdd(generation, 1);
+    } else {
+      ok = wait_until(view, operation, Phase::kGridSync, -1, current + 1, [&](int64_t& seen) {
+        seen = ptx::ld_acquire_gpu(generation);
+        return seen != current;
+      });
+    }
+    ok_shared = ok ? 1 : 0;
+  }
+  __syncthreads();
+  return ok_shared != 0;
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,32 @@
+#include "kernels/barrier.cuh"
+#include "kernels/runtime_kernels.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace deep_ep {
+namespace {
+
+constexpr int kBarrierThreads = 128;
+
+__global__ void __launch_bounds__(kBarrierThreads, 1) rank_barrier_kernel(DeviceView view) {
+  rank_barrier(view, Operation::kBarrier);
+}
+
+__global__ void query_lsa_pointers_kernel(ncclWindow_t window, int lsa_size, uint8_t** out) {
+  for (int peer = threadIdx.x; peer < lsa_size; peer += blockDim.x) {
+    out[peer] = static_cast<uint8_t*>(ncclGetLsaPointer(window, 0, peer));
+  }
+}
+
+}  // namespace
+
+void launch_rank_barrier(const DeviceView& view, cudaStream_t stream) {
+  rank_barrier_kernel<<<1, kBarrierThreads, 0, stream>>>(view);
+  EP_CHECK_LAUNCH("rank_barrier_kernel");
+}
+
+void launch_query_lsa_pointers(ncclWindow_t window, int lsa_size, uint8_t** out_device, cudaStream_t stream) {
+  query_lsa_pointers_kernel<<<1, 128, 0, stream>>>(window, lsa_size, out_device);
+  EP_CHECK_LAUNCH("query_lsa_pointers_kernel");
+}
+
+}  // namespace deep_ep

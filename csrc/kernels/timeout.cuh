@@ -1,0 +1,69 @@
+// The one helper every device spin-wait goes through. A wait that passes its deadline records
+// (operation, phase, rank, peer, expected, seen) in the host-mapped error record and returns
+// false; the caller then leaves the kernel without trapping. A wait also gives up early when
+// another thread has already recorded an error, so one failure does not cost N timeouts.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ptx.cuh"
+#include "runtime/device_view.hpp"
+
+namespace deep_ep {
+
+// First writer wins; later failures (consequences of the first) are not recorded.
+__device__ __forceinline__ void record_error(const DeviceView& view, ErrorStatus status, Operation operation,
+                                             Phase phase, int32_t peer, int64_t expected, int64_t seen) {
+  ErrorRecord* record = view.error;
+  if (atomicCAS(&record->status, 0, -1) == 0) {  // -1: being written
+    record->operation = static_cast<int32_t>(operation);
+    record->phase = static_cast<int32_t>(phase);
+    record->rank = view.rank;
+    record->peer = peer;
+    record->expected = expected;
+    record->seen = seen;
+    __threadfence_system();
+    ptx::st_release_sys(&record->status, static_cast<int32_t>(status));
+  }
+}
+
+// An out-of-range expert id: recorded for the host, then treated as -1 by the caller so the
+// protocol still completes.
+__device__ __forceinline__ void record_invalid_expert(const DeviceView& view, Operation operation, int64_t expert,
+                                                      int64_t num_experts) {
+  ErrorRecord* record = view.error;
+  if (atomicCAS(&record->invalid_status, 0, -1) == 0) {
+    record->invalid_operation = static_cast<int32_t>(operation);
+    record->invalid_expert = expert;
+    record->num_experts = num_experts;
+    __threadfence_system();
+    ptx::st_release_sys(&record->invalid_status, 1);
+  }
+}
+
+__device__ __forceinline__ bool error_recorded(const DeviceView& view) {
+  return ptx::ld_relaxed_sys(&view.error->status) != 0;
+}
+
+// Spins until `probe(seen)` returns true. `probe` loads the watched value (with acquire semantics)
+// into `seen` and says whether the wait is over. Returns false on timeout or on an earlier error.
+template <typename Probe>
+__device__ __forceinline__ bool wait_until(const DeviceView& view, Operation operation, Phase phase, int32_t peer,
+                                           int64_t expected, Probe&& probe) {
+  int64_t seen = 0;
+  if (probe(seen)) return true;
+  const uint64_t start = ptx::global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (probe(seen)) return true;
+    // Reading the host-mapped record crosses PCIe: look at it and at the clock only now and then.
+    if ((spin & 255) == 0) {
+      if (error_recorded(view)) return false;
+      if (ptx::global_timer_ns() - start > view.timeout_ns) {
+        record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen);
+        return false;
+      }
+    }
+  }
+}
+
+}  // namespace deep_ep

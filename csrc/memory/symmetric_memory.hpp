@@ -1,0 +1,68 @@
+// Symmetric-memory backends: one window of the same size on every rank, and the base address of
+// every load/store peer's window as this GPU sees it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace deep_ep {
+
+enum class BackendKind { kIpc = 0, kNccl = 1 };
+
+class SymmetricMemory {
+ public:
+  virtual ~SymmetricMemory() = default;
+  virtual uint8_t* local_base() const = 0;
+  // Index = rank; valid after the backend's connect step.
+  virtual const std::vector<uint8_t*>& peer_bases() const = 0;
+  virtual int64_t bytes() const = 0;
+  // Releases peer mappings and the allocation; the caller has quiesced every rank first.
+  virtual void release() = 0;
+};
+
+// CUDA IPC: cudaMalloc + cudaIpcGetMemHandle; peers opened with cudaIpcOpenMemHandle. Works for
+// ranks sharing a GPU and for P2P-capable GPUs.
+class CudaIpcMemory final : public SymmetricMemory {
+ public:
+  CudaIpcMemory(int rank, int num_ranks, int64_t bytes);
+  ~CudaIpcMemory() override;
+  std::string handle() const;
+  void connect(const std::vector<std::string>& handles);
+  uint8_t* local_base() const override { return base_; }
+  const std::vector<uint8_t*>& peer_bases() const override { return peer_bases_; }
+  int64_t bytes() const override { return bytes_; }
+  void release() override;
+
+ private:
+  int rank_;
+  int num_ranks_;
+  int64_t bytes_;
+  uint8_t* base_ = nullptr;
+  std::vector<uint8_t*> peer_bases_;
+};
+
+// NCCL: the library's own communicator, ncclMemAlloc + ncclCommWindowRegister, an LSA-only
+// ncclDevComm (proves symmetric support), peer pointers from ncclGetLsaPointer.
+class NcclWindowMemory final : public SymmetricMemory {
+ public:
+  NcclWindowMemory(int rank, int num_ranks, int64_t bytes);
+  ~NcclWindowMemory() override;
+  static std::string create_unique_id();
+  void connect(const std::string& unique_id);
+  uint8_t* local_base() const override { return peer_bases_.empty() ? nullptr : peer_bases_[rank_]; }
+  const std::vector<uint8_t*>& peer_bases() const override { return peer_bases_; }
+  int64_t bytes() const override { return bytes_; }
+  void release() override;
+
+ private:
+  struct State;
+  int rank_;
+  int num_ranks_;
+  int64_t bytes_;
+  std::unique_ptr<State> state_;
+  std::vector<uint8_t*> peer_bases_;
+};
+
+}  // namespace deep_ep

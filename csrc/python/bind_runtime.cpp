@@ -1,0 +1,94 @@
+// _C.Runtime: construction, bootstrap, error record, mapped counters, barrier.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/error_record.hpp"
+#include "runtime/runtime.hpp"
+
+namespace py = pybind11;
+
+namespace deep_ep {
+
+void register_runtime(py::module_& m) {
+  m.attr("MAPPED_WAIT_TIMEOUT") = Runtime::kMappedWaitTimeout;
+  m.attr("MAPPED_WAIT_DEVICE_ERROR") = Runtime::kMappedWaitDeviceError;
+  m.attr("NUM_MAPPED_COUNTERS") = kNumMappedCounters;
+
+  py::class_<Runtime>(m, "Runtime")
+      .def(py::init([](int rank, int num_ranks, int num_scaleup_ranks, int device, int64_t ht_region_bytes,
+                       int64_t ll_region_bytes, double gpu_timeout_secs, double cpu_timeout_secs,
+                       const std::string& backend) {
+             if (backend != "ipc" && backend != "nccl") {
+               throw std::invalid_argument("backend must be 'ipc' or 'nccl', got '" + backend + "'");
+             }
+             RuntimeConfig config;
+             config.rank = rank;
+             config.num_ranks = num_ranks;
+             config.num_scaleup_ranks = num_scaleup_ranks;
+             config.device = device;
+             config.window = window_layout(ht_region_bytes, ll_region_bytes);
+             config.gpu_timeout_secs = gpu_timeout_secs;
+             config.cpu_timeout_secs = cpu_timeout_secs;
+             config.backend = backend == "ipc" ? BackendKind::kIpc : BackendKind::kNccl;
+             return std::make_unique<Runtime>(config);
+           }),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("num_scaleup_ranks"), py::arg("device"),
+           py::arg("ht_region_bytes"), py::arg("ll_region_bytes"), py::arg("gpu_timeout_secs"),
+           py::arg("cpu_timeout_secs"), py::arg("backend"))
+      .def("ipc_handle", [](const Runtime& self) { return py::bytes(self.ipc_handle()); })
+      .def("connect_ipc",
+           [](Runtime& self, const std::vector<py::bytes>& handles) {
+             std::vector<std::string> raw;
+             raw.reserve(handles.size());
+             for (const auto& handle : handles) raw.emplace_back(handle);
+             self.connect_ipc(raw);
+           })
+      .def_static("create_nccl_unique_id", []() { return py::bytes(Runtime::create_nccl_unique_id()); })
+      .def("connect_nccl", [](Runtime& self, const py::bytes& unique_id) { self.connect_nccl(std::string(unique_id)); })
+      .def("connected", &Runtime::connected)
+      .def("local_base", [](const Runtime& self) { return reinterpret_cast<std::uintptr_t>(self.local_base()); })
+      .def("peer_base",
+           [](const Runtime& self, int rank) { return reinterpret_cast<std::uintptr_t>(self.peer_base(rank)); })
+      .def("total_bytes", [](const Runtime& self) { return self.window().total_bytes; })
+      .def("error_record",
+           [](const Runtime& self) {
+             const ErrorRecord record = self.error_record();
+             py::dict d;
+             d["status"] = record.status;
+             d["operation"] = std::string(operation_name(record.operation));
+             d["phase"] = std::string(phase_name(record.phase));
+             d["rank"] = record.rank;
+             d["peer"] = record.peer;
+             d["expected"] = record.expected;
+             d["seen"] = record.seen;
+             d["invalid_status"] = record.invalid_status;
+             d["invalid_operation"] = std::string(operation_name(record.invalid_operation));
+             d["invalid_expert"] = record.invalid_expert;
+             d["num_experts"] = record.num_experts;
+             return d;
+           })
+      .def("clear_invalid_input", &Runtime::clear_invalid_input)
+      .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))
+      .def("read_mapped_counters", &Runtime::read_mapped_counters, py::arg("begin"), py::arg("count"))
+      .def("wait_mapped_counter", &Runtime::wait_mapped_counter, py::arg("index"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "launch_barrier",
+          [](const Runtime& self, std::uintptr_t stream) {
+            self.launch_barrier(reinterpret_cast<cudaStream_t>(stream));
+          },
+          py::arg("stream"))
+      .def(
+          "count_dirty_workspace_bytes",
+          [](const Runtime& self, std::uintptr_t stream) {
+            return self.count_dirty_workspace_bytes(reinterpret_cast<cudaStream_t>(stream));
+          },
+          py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &Runtime::destroy);
+}
+
+}  // namespace deep_ep

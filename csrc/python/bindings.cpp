@@ -1,0 +1,15 @@
+// The extension module. Each bind_*.cpp registers one area; no logic lives here.
+#include <pybind11/pybind11.h>
+
+namespace deep_ep {
+void register_build_info(pybind11::module_& m);
+void register_geometry(pybind11::module_& m);
+void register_runtime(pybind11::module_& m);
+}  // namespace deep_ep
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "deep_ep native extension: runtime, geometry and communication kernels";
+  deep_ep::register_build_info(m);
+  deep_ep::register_geometry(m);
+  deep_ep::register_runtime(m);
+}

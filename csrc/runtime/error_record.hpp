@@ -1,0 +1,56 @@
+// The error record kernels write into host-mapped memory when a wait times out or an input is
+// invalid. The host reads it at its next check and raises CommTimeoutError / ValueError; the kernel
+// itself never traps, so the CUDA context stays usable.
+//
+// Two independent parts: a timeout is fatal (peers are out of step; the buffer refuses further
+// work until destroy()), an invalid input is not (the kernel treated the bad expert id as -1,
+// finished the protocol, and the buffer stays usable once the host has reported it).
+#pragma once
+
+#include <cstdint>
+
+namespace deep_ep {
+
+enum class ErrorStatus : int32_t { kOk = 0, kTimeout = 1 };
+
+// Operations and phases name the call site of a wait. Keep the names in error_names() in sync.
+enum class Operation : int32_t {
+  kNone = 0,
+  kBarrier = 1,
+  kHtNotify = 2,
+  kHtDispatch = 3,
+  kHtCombine = 4,
+  kLlDispatch = 5,
+  kLlCombine = 6,
+};
+
+enum class Phase : int32_t {
+  kNone = 0,
+  kBarrierArrive = 1,      // waiting for a peer's barrier epoch
+  kCountsArrive = 2,       // waiting for a peer's token counts
+  kDataArrive = 3,         // waiting for a peer's "data written" flag
+  kGridSync = 4,           // waiting for the other CTAs of this rank's kernel
+};
+
+// Each part is written once (the first writer wins through its status word), read by the host.
+struct ErrorRecord {
+  // Timeout (fatal).
+  int32_t status;     // ErrorStatus; -1 while being written
+  int32_t operation;  // Operation
+  int32_t phase;      // Phase
+  int32_t rank;       // the rank that observed the failure
+  int32_t peer;       // the rank it waited for (-1: a CTA of this rank's own grid)
+  int32_t reserved;
+  int64_t expected;   // value waited for
+  int64_t seen;       // last value seen
+  // Invalid input (not fatal): an expert id outside [0, num_experts).
+  int32_t invalid_status;     // 1 once recorded; -1 while being written; the host clears it
+  int32_t invalid_operation;  // Operation
+  int64_t invalid_expert;     // the offending id
+  int64_t num_experts;        // the bound it broke
+};
+
+const char* operation_name(int32_t operation);
+const char* phase_name(int32_t phase);
+
+}  // namespace deep_ep

@@ -1,0 +1,247 @@
+// Buffer geometry: the single description of every byte of the symmetric window.
+//
+// The size hints, the planner (through _C) and the kernels all read these structs, so what is
+// allocated, what is reported and what the kernels address cannot disagree.
+//
+// Window layout, identical on every rank:
+//   [workspace (kWorkspaceBytes)] [data region]
+//   data region = [HT region (max of dispatch and combine footprints)] [LL region]
+// HT and LL use disjoint sub-regions, so interleaving the two paths never needs a cleaning step.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EP_HOST_DEVICE __host__ __device__
+#else
+#define EP_HOST_DEVICE
+#endif
+
+namespace deep_ep {
+
+constexpr int64_t kWindowAlignBytes = int64_t{2} << 20;  // 2 MiB: window, workspace and regions
+constexpr int64_t kSlotAlignBytes = 32;                  // TMA bulk copies need 16 B; 32 keeps rows sector aligned
+constexpr int kFp8GroupSize = 128;                       // channels per fp32 scale
+constexpr int kMaxRanks = 1024;
+constexpr int kMaxExperts = 2048;
+constexpr int kMaxTopK = 32;
+constexpr int kLowLatencyMessageHeaderBytes = 16;  // int32 source token, int32 top-k slot, 8 reserved bytes
+
+EP_HOST_DEVICE constexpr int64_t min_of(int64_t a, int64_t b) { return a < b ? a : b; }
+EP_HOST_DEVICE constexpr int64_t max_of(int64_t a, int64_t b) { return a > b ? a : b; }
+
+EP_HOST_DEVICE constexpr int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// One token slot of the HT receive areas. Offsets are from the start of the slot.
+struct TokenLayout {
+  int64_t payload_bytes = 0;   // hidden * element bytes, aligned
+  int64_t scale_offset = 0;    // fp32 scales [hidden / 128] (fp8 payload only)
+  int64_t topk_idx_offset = 0;     // int32 [num_topk] global expert ids (dispatch only)
+  int64_t weights_offset = 0;      // fp32 [num_topk]
+  int64_t expert_slot_offset = 0;  // int32 [num_topk] rank of the token among the sender's tokens of that expert
+  int64_t src_offset = 0;          // int32 source token index (dispatch only)
+  int64_t bytes = 0;           // whole slot, aligned
+};
+
+// Dispatch slot: payload (bf16 or fp8), fp8 scales, then K expert ids, K weights, K per-expert slots
+// (the receiver places expanded rows with them, no scan needed) and the source token index.
+EP_HOST_DEVICE constexpr TokenLayout dispatch_token_layout(int hidden, bool use_fp8, int num_topk) {
+  TokenLayout layout;
+  layout.payload_bytes = align_up(int64_t{hidden} * (use_fp8 ? 1 : 2), kSlotAlignBytes);
+  layout.scale_offset = layout.payload_bytes;
+  const int64_t scale_bytes = use_fp8 ? align_up(int64_t{hidden / kFp8GroupSize} * 4, kSlotAlignBytes) : 0;
+  layout.topk_idx_offset = layout.scale_offset + scale_bytes;
+  layout.weights_offset = layout.topk_idx_offset + int64_t{num_topk} * 4;
+  layout.expert_slot_offset = layout.weights_offset + int64_t{num_topk} * 4;
+  layout.src_offset = layout.expert_slot_offset + int64_t{num_topk} * 4;
+  layout.bytes = layout.topk_idx_offset + align_up(int64_t{num_topk} * 12 + 4, kSlotAlignBytes);
+  return layout;
+}
+
+// Combine slot: bf16 payload then K fp32 weights (gathered into combined_topk_weights).
+EP_HOST_DEVICE constexpr TokenLayout combine_token_layout(int hidden, int num_topk) {
+  TokenLayout layout;
+  layout.payload_bytes = align_up(int64_t{hidden} * 2, kSlotAlignBytes);
+  layout.scale_offset = layout.payload_bytes;
+  layout.topk_idx_offset = layout.payload_bytes;
+  layout.weights_offset = layout.payload_bytes;
+  layout.expert_slot_offset = layout.payload_bytes;
+  layout.src_offset = layout.payload_bytes;
+  layout.bytes = layout.payload_bytes + align_up(int64_t{num_topk} * 4, kSlotAlignBytes);
+  return layout;
+}
+
+// Logical topology of the EP group: scale-out domains ("nodes") of scale-up ranks.
+struct Topology {
+  int num_ranks = 1;
+  int num_scaleup_ranks = 1;  // ranks per node
+  EP_HOST_DEVICE constexpr int num_scaleout_ranks() const { return num_ranks / num_scaleup_ranks; }
+  EP_HOST_DEVICE constexpr bool is_hybrid() const { return num_scaleout_ranks() > 1; }
+};
+
+// HT receive areas for one call shape. Dispatch and combine start at the same offset of the HT
+// region: every HT kernel begins with a cross-rank barrier, so no peer still reads what the next
+// operation overwrites.
+struct HighThroughputLayout {
+  TokenLayout dispatch_token;
+  TokenLayout combine_token;
+  int64_t num_max_tokens_per_rank = 0;
+  // Direct: dispatch rows [source rank][T_max]; combine rows [j][T_max] where j is the rank of the
+  // sender among the distinct destination ranks of the token (ascending), so j < min(R, K).
+  int64_t dispatch_recv_offset = 0;
+  int64_t dispatch_recv_bytes = 0;
+  int64_t combine_recv_offset = 0;
+  int64_t combine_recv_bytes = 0;
+  // Hybrid: scale-out hop lands in scaleout_recv, is forwarded into scaleup_recv.
+  int64_t scaleout_send_offset = 0;
+  int64_t scaleout_send_bytes = 0;
+  int64_t scaleout_recv_offset = 0;
+  int64_t scaleout_recv_bytes = 0;
+  int64_t dispatch_bytes = 0;  // whole dispatch footprint
+  int64_t combine_bytes = 0;   // whole combine footprint
+  int64_t region_bytes = 0;    // max of the two, 2 MiB aligned
+};
+
+EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topology& topology,
+                                                                      int64_t num_max_tokens_per_rank, int hidden,
+                                                                      int num_topk, bool use_fp8) {
+  HighThroughputLayout layout;
+  const int64_t tokens = num_max_tokens_per_rank;
+  const int64_t num_ranks = topology.num_ranks;
+  layout.num_max_tokens_per_rank = tokens;
+  layout.dispatch_token = dispatch_token_layout(hidden, use_fp8, num_topk);
+  layout.combine_token = combine_token_layout(hidden, num_topk);
+  const int64_t d = layout.dispatch_token.bytes;
+  const int64_t c = layout.combine_token.bytes;
+  if (!topology.is_hybrid()) {
+    layout.dispatch_recv_bytes = num_ranks * tokens * d;
+    layout.combine_recv_bytes = min_of(num_ranks, num_topk) * tokens * c;
+    layout.dispatch_bytes = layout.dispatch_recv_bytes;
+    layout.combine_bytes = layout.combine_recv_bytes;
+  } else {
+    const int64_t scaleout = topology.num_scaleout_ranks();
+    const int64_t scaleup = topology.num_scaleup_ranks;
+    // Dispatch: send staging (one row per token), one row per (source node, token) arriving over
+    // scale-out, and forwarded rows [scale-up source][scale-out source][T_max].
+    layout.scaleout_send_bytes = tokens * d;
+    layout.scaleout_recv_offset = layout.scaleout_send_bytes;
+    layout.scaleout_recv_bytes = scaleout * tokens * d;
+    layout.dispatch_recv_offset = layout.scaleout_recv_offset + layout.scaleout_recv_bytes;
+    layout.dispatch_recv_bytes = scaleup * scaleout * tokens * d;
+    layout.dispatch_bytes = layout.dispatch_recv_offset + layout.dispatch_recv_bytes;
+    // Combine mirrors it: node-level partial sums travel back once per (node, token).
+    const int64_t combine_scaleup = min_of(scaleup, num_topk) * scaleout * tokens * c;
+    const int64_t combine_scaleout = min_of(scaleout, num_topk) * tokens * c;
+    const int64_t combine_send = scaleout * tokens * c;
+    layout.combine_recv_offset = 0;
+    layout.combine_recv_bytes = combine_scaleup;
+    layout.combine_bytes = combine_scaleup + combine_scaleout + combine_send;
+  }
+  layout.region_bytes = align_up(max_of(layout.dispatch_bytes, layout.combine_bytes), kWindowAlignBytes);
+  return layout;
+}
+
+// LL areas: fixed slots per (local expert, source rank), double buffered. Each parity holds
+//   dispatch payload  [L][R][T_ll][hidden] (sized for bf16; an fp8 call uses the first half), so the
+//                     receive area *is* recv_x [L, R*T_ll, H] and needs no repack
+//   dispatch scales   [L][R][T_ll][hidden/128] fp32
+//   dispatch headers  [L][R][T_ll] x 16 B (source token, top-k slot)
+//   dispatch counts   [L][R] int32, count+1 ("0 = not arrived"), reset to 0 by the receiver
+//   combine payload   [T_ll][K][hidden] bf16: the row of (token, top-k slot k) returned by its expert
+//   combine flags     [R] int32, reset to 0 by the receiver
+// No send staging: every LL peer is load/store reachable (scale-out LL is not implemented).
+struct LowLatencyLayout {
+  int64_t num_max_tokens = 0;
+  int num_local_experts = 0;
+  int num_topk = 0;
+  int64_t dispatch_payload_offset = 0;
+  int64_t dispatch_scales_offset = 0;
+  int64_t dispatch_headers_offset = 0;
+  int64_t dispatch_counts_offset = 0;
+  int64_t combine_payload_offset = 0;
+  int64_t combine_flags_offset = 0;
+  int64_t parity_bytes = 0;  // one buffer of the pair, 2 MiB aligned
+  int64_t region_bytes = 0;  // both parities
+  EP_HOST_DEVICE constexpr int64_t parity_offset(int parity) const { return parity * parity_bytes; }
+};
+
+// Bytes of one LL dispatch message as it crosses the link (payload + scales + header).
+EP_HOST_DEVICE constexpr int64_t low_latency_message_bytes(int hidden, bool use_fp8) {
+  return use_fp8 ? int64_t{hidden} + int64_t{hidden / kFp8GroupSize} * 4 + kLowLatencyMessageHeaderBytes
+                 : int64_t{hidden} * 2 + kLowLatencyMessageHeaderBytes;
+}
+
+EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tokens, int hidden, int num_ranks,
+                                                              int num_experts, int num_topk) {
+  LowLatencyLayout layout;
+  if (num_max_tokens == 0) return layout;
+  layout.num_max_tokens = num_max_tokens;
+  layout.num_local_experts = num_experts / num_ranks;
+  layout.num_topk = num_topk;
+  const int64_t rows = int64_t{layout.num_local_experts} * num_ranks * num_max_tokens;
+  int64_t offset = 0;
+  layout.dispatch_payload_offset = offset;
+  offset = align_up(offset + rows * hidden * 2, kSlotAlignBytes);
+  layout.dispatch_scales_offset = offset;
+  offset = align_up(offset + rows * (hidden / kFp8GroupSize) * 4, kSlotAlignBytes);
+  layout.dispatch_headers_offset = offset;
+  offset = align_up(offset + rows * kLowLatencyMessageHeaderBytes, kSlotAlignBytes);
+  layout.dispatch_counts_offset = offset;
+  offset = align_up(offset + int64_t{num_experts} * 4, kSlotAlignBytes);
+  layout.combine_payload_offset = offset;
+  offset = align_up(offset + num_max_tokens * num_topk * hidden * 2, kSlotAlignBytes);
+  layout.combine_flags_offset = offset;
+  offset = align_up(offset + int64_t{num_ranks} * 4, kSlotAlignBytes);
+  layout.parity_bytes = align_up(offset, kWindowAlignBytes);
+  layout.region_bytes = 2 * layout.parity_bytes;
+  return layout;
+}
+
+// Workspace at the start of the window: fixed positions, independent of the call shape.
+//   barrier cells   int64 [kMaxRanks]: peer p writes its barrier epoch into cell p (monotonic, never reset)
+//   rank counts     int32 [kMaxRanks]: HT notify, tokens from source p, count+1 (reset to 0 after use)
+//   expert counts   int32 [kMaxExperts]: HT notify, [source p][local expert l] at p*L + l, count+1
+//   grid counters   int32 [kNumGridCounters]: CTA arrival counters of one kernel (reset to 0 after use)
+//   scratch         int32 [kNumScratchInts]: per-kernel local scratch (reset to 0 after use)
+//   grid generation int32 [kNumGridCounters]: grid-sync generations (monotonic, never reset)
+//   barrier epoch   int64: this rank's last barrier epoch (local only, monotonic)
+struct WorkspaceLayout {
+  static constexpr int kNumGridCounters = 64;
+  static constexpr int kNumScratchInts = 4 * kMaxRanks;
+  static constexpr int64_t barrier_cells_offset = 0;
+  static constexpr int64_t rank_counts_offset = barrier_cells_offset + int64_t{kMaxRanks} * 8;
+  static constexpr int64_t expert_counts_offset = rank_counts_offset + int64_t{kMaxRanks} * 4;
+  static constexpr int64_t grid_counters_offset = expert_counts_offset + int64_t{kMaxExperts} * 4;
+  static constexpr int64_t scratch_offset = grid_counters_offset + int64_t{kNumGridCounters} * 4;
+  static constexpr int64_t grid_generations_offset = scratch_offset + int64_t{kNumScratchInts} * 4;
+  static constexpr int64_t barrier_epoch_offset = grid_generations_offset + int64_t{kNumGridCounters} * 4;
+  // Everything in [zero_invariant_begin, zero_invariant_end) must be zero whenever no kernel runs.
+  static constexpr int64_t zero_invariant_begin = rank_counts_offset;
+  static constexpr int64_t zero_invariant_end = grid_generations_offset;
+  static constexpr int64_t used_bytes = barrier_epoch_offset + 8;
+  static constexpr int64_t bytes = align_up(used_bytes, kWindowAlignBytes);
+};
+
+// The whole window of one buffer.
+struct WindowLayout {
+  int64_t workspace_bytes = WorkspaceLayout::bytes;
+  int64_t ht_offset = 0;
+  int64_t ht_bytes = 0;
+  int64_t ll_offset = 0;
+  int64_t ll_bytes = 0;
+  int64_t total_bytes = 0;
+};
+
+EP_HOST_DEVICE constexpr WindowLayout window_layout(int64_t ht_bytes, int64_t ll_bytes) {
+  WindowLayout layout;
+  layout.ht_offset = layout.workspace_bytes;
+  layout.ht_bytes = align_up(ht_bytes, kWindowAlignBytes);
+  layout.ll_offset = layout.ht_offset + layout.ht_bytes;
+  layout.ll_bytes = align_up(ll_bytes, kWindowAlignBytes);
+  layout.total_bytes = layout.ll_offset + layout.ll_bytes;
+  return layout;
+}
+
+}  // namespace deep_ep

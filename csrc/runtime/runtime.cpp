@@ -1,0 +1,220 @@
+#include "runtime/runtime.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/runtime_kernels.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace deep_ep {
+
+Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
+  if (config.num_ranks < 1 || config.num_ranks > kMaxRanks) {
+    throw std::invalid_argument("num_ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
+                                std::to_string(config.num_ranks));
+  }
+  if (config.rank < 0 || config.rank >= config.num_ranks) {
+    throw std::invalid_argument("rank must be in [0, " + std::to_string(config.num_ranks) + "), got " +
+                                std::to_string(config.rank));
+  }
+  if (config.window.total_bytes % kWindowAlignBytes != 0 || config.window.total_bytes < WorkspaceLayout::bytes) {
+    throw std::invalid_argument("window bytes must be a multiple of 2 MiB holding at least the workspace, got " +
+                                std::to_string(config.window.total_bytes));
+  }
+  if (!(config.gpu_timeout_secs > 0.0) || !(config.cpu_timeout_secs > 0.0)) {
+    throw std::invalid_argument("timeouts must be positive, got gpu " + std::to_string(config.gpu_timeout_secs) +
+                                " s, cpu " + std::to_string(config.cpu_timeout_secs) + " s");
+  }
+  EP_CUDA_CHECK(cudaSetDevice(config.device));
+
+  void* mapped = nullptr;
+  EP_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  error_host_ = static_cast<ErrorRecord*>(mapped);
+  *error_host_ = ErrorRecord{};
+  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), mapped, 0));
+
+  EP_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(int32_t) * kNumMappedCounters, cudaHostAllocMapped | cudaHostAllocPortable));
+  mapped_counters_host_ = static_cast<volatile int32_t*>(mapped);
+  for (int i = 0; i < kNumMappedCounters; ++i) mapped_counters_host_[i] = 0;
+  EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
+
+  if (config.backend == BackendKind::kIpc) {
+    memory_ = std::make_unique<CudaIpcMemory>(config.rank, config.num_ranks, config.window.total_bytes);
+  } else {
+    memory_ = std::make_unique<NcclWindowMemory>(config.rank, config.num_ranks, config.window.total_bytes);
+  }
+}
+
+Runtime::~Runtime() {
+  try {
+    destroy();
+  } catch (...) {
+    // Destructors must not throw; destroy() frees what it can.
+  }
+}
+
+std::string Runtime::ipc_handle() const {
+  auto* ipc = dynamic_cast<CudaIpcMemory*>(memory_.get());
+  if (ipc == nullptr) throw std::logic_error("ipc_handle() needs the ipc backend");
+  return ipc->handle();
+}
+
+void Runtime::connect_ipc(const std::vector<std::string>& handles) {
+  auto* ipc = dynamic_cast<CudaIpcMemory*>(memory_.get());
+  if (ipc == nullptr) throw std::logic_error("connect_ipc() needs the ipc backend");
+  EP_CUDA_CHECK(cudaSetDevice(config_.device));
+  ipc->connect(handles);
+  finish_connect(ipc->peer_bases());
+}
+
+std::string Runtime::create_nccl_unique_id() { return NcclWindowMemory::create_unique_id(); }
+
+void Runtime::connect_nccl(const std::string& unique_id) {
+  auto* nccl = dynamic_cast<NcclWindowMemory*>(memory_.get());
+  if (nccl == nullptr) throw std::logic_error("connect_nccl() needs the nccl backend");
+  EP_CUDA_CHECK(cudaSetDevice(config_.device));
+  nccl->connect(unique_id);
+  finish_connect(nccl->peer_bases());
+}
+
+void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
+  EP_CUDA_CHECK(cudaMalloc(&peer_table_device_, sizeof(uint8_t*) * config_.num_ranks));
+  EP_CUDA_CHECK(cudaMemcpy(peer_table_device_, peer_bases.data(), sizeof(uint8_t*) * config_.num_ranks,
+                           cudaMemcpyHostToDevice));
+  view_.rank = config_.rank;
+  view_.num_ranks = config_.num_ranks;
+  view_.num_scaleup_ranks = config_.num_scaleup_ranks;
+  view_.peer_bases = peer_table_device_;
+  view_.error = error_device_;
+  view_.timeout_ns = static_cast<uint64_t>(config_.gpu_timeout_secs * 1e9);
+  connected_ = true;
+}
+
+const DeviceView& Runtime::device_view() const {
+  if (destroyed_) throw std::logic_error("the buffer was destroyed");
+  if (!connected_) throw std::logic_error("the runtime is not connected to its peers yet");
+  return view_;
+}
+
+uint8_t* Runtime::local_base() const {
+  device_view();
+  return memory_->local_base();
+}
+
+uint8_t* Runtime::peer_base(int rank) const {
+  device_view();
+  if (rank < 0 || rank >= config_.num_ranks) {
+    throw std::invalid_argument("rank must be in [0, " + std::to_string(config_.num_ranks) + "), got " +
+                                std::to_string(rank));
+  }
+  return memory_->peer_bases()[rank];
+}
+
+ErrorRecord Runtime::error_record() const {
+  ErrorRecord copy;
+  // The device writes the fields before release-storing the status word; read status first.
+  const volatile ErrorRecord* record = error_host_;
+  copy.status = record->status;
+  copy.invalid_status = record->invalid_status;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  copy.operation = record->operation;
+  copy.phase = record->phase;
+  copy.rank = record->rank;
+  copy.peer = record->peer;
+  copy.reserved = 0;
+  copy.expected = record->expected;
+  copy.seen = record->seen;
+  copy.invalid_operation = record->invalid_operation;
+  copy.invalid_expert = record->invalid_expert;
+  copy.num_experts = record->num_experts;
+  return copy;
+}
+
+void Runtime::clear_invalid_input() {
+  volatile ErrorRecord* record = error_host_;
+  record->invalid_operation = 0;
+  record->invalid_expert = 0;
+  record->num_experts = 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  record->invalid_status = 0;
+}
+
+void Runtime::check_mapped_index(int index) const {
+  if (index < 0 || index >= kNumMappedCounters) {
+    throw std::invalid_argument("mapped counter index must be in [0, " + std::to_string(kNumMappedCounters) +
+                                "), got " + std::to_string(index));
+  }
+}
+
+void Runtime::reset_mapped_counter(int index) {
+  check_mapped_index(index);
+  mapped_counters_host_[index] = 0;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+std::vector<int32_t> Runtime::read_mapped_counters(int begin, int count) const {
+  check_mapped_index(begin);
+  if (count < 0 || begin + count > kNumMappedCounters) {
+    throw std::invalid_argument("mapped counter range [" + std::to_string(begin) + ", " +
+                                std::to_string(begin + count) + ") exceeds " + std::to_string(kNumMappedCounters));
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::vector<int32_t> values(count);
+  for (int i = 0; i < count; ++i) values[i] = mapped_counters_host_[begin + i];
+  return values;
+}
+
+int32_t Runtime::wait_mapped_counter(int index) const {
+  check_mapped_index(index);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(config_.cpu_timeout_secs);
+  for (uint64_t spin = 0;; ++spin) {
+    const int32_t value = mapped_counters_host_[index];
+    if (value != 0) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return value;
+    }
+    if ((spin & 1023) == 0) {
+      if (static_cast<volatile ErrorRecord*>(error_host_)->status != 0) return kMappedWaitDeviceError;
+      if (std::chrono::steady_clock::now() > deadline) return kMappedWaitTimeout;
+      if (spin > (1u << 20)) std::this_thread::yield();
+    }
+  }
+}
+
+void Runtime::launch_barrier(cudaStream_t stream) const { launch_rank_barrier(device_view(), stream); }
+
+int64_t Runtime::count_dirty_workspace_bytes(cudaStream_t stream) const {
+  device_view();
+  const int64_t begin = WorkspaceLayout::zero_invariant_begin;
+  const int64_t size = WorkspaceLayout::zero_invariant_end - begin;
+  std::vector<uint8_t> host(static_cast<size_t>(size));
+  EP_CUDA_CHECK(cudaMemcpyAsync(host.data(), memory_->local_base() + begin, static_cast<size_t>(size),
+                                cudaMemcpyDeviceToHost, stream));
+  EP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  int64_t dirty = 0;
+  for (uint8_t byte : host) dirty += byte != 0;
+  return dirty;
+}
+
+void Runtime::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  connected_ = false;
+  cudaSetDevice(config_.device);
+  if (memory_) memory_->release();
+  memory_.reset();
+  if (peer_table_device_ != nullptr) cudaFree(peer_table_device_);
+  peer_table_device_ = nullptr;
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  error_host_ = nullptr;
+  error_device_ = nullptr;
+  if (mapped_counters_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(mapped_counters_host_));
+  mapped_counters_host_ = nullptr;
+  mapped_counters_device_ = nullptr;
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,101 @@
+// Runtime: owns one buffer's symmetric window, the device peer table, the host-mapped error record
+// and counters, and launches the cross-rank barrier. Communication kernels get a DeviceView from it.
+//
+// Construction is in two steps because the exchange of handles needs the torch process group,
+// which lives in Python:  Runtime(config)  ->  (ipc) ipc_handle() / connect_ipc(all handles)
+//                                          ->  (nccl) connect_nccl(unique id from rank 0)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memory/symmetric_memory.hpp"
+#include "runtime/device_view.hpp"
+#include "runtime/error_record.hpp"
+#include "runtime/geometry.hpp"
+
+namespace deep_ep {
+
+struct RuntimeConfig {
+  int rank = 0;
+  int num_ranks = 1;
+  int num_scaleup_ranks = 1;  // ranks per (possibly emulated) node
+  int device = 0;
+  WindowLayout window;
+  double gpu_timeout_secs = 100.0;
+  double cpu_timeout_secs = 300.0;
+  BackendKind backend = BackendKind::kIpc;
+};
+
+// Host-mapped int32 cells the kernels write for the host (received counts for the CPU sync).
+constexpr int kNumMappedCounters = kMaxRanks + kMaxExperts + 64;
+
+class Runtime {
+ public:
+  explicit Runtime(const RuntimeConfig& config);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // ipc bootstrap: this rank's serialized handle, then every rank's (index = rank).
+  std::string ipc_handle() const;
+  void connect_ipc(const std::vector<std::string>& handles);
+  // nccl bootstrap: rank 0 creates the id, every rank connects with it (collective).
+  static std::string create_nccl_unique_id();
+  void connect_nccl(const std::string& unique_id);
+
+  bool connected() const { return connected_; }
+  const RuntimeConfig& config() const { return config_; }
+  const WindowLayout& window() const { return config_.window; }
+  // Requires connected(); throws std::logic_error otherwise (or after destroy()).
+  const DeviceView& device_view() const;
+
+  // Window base of this rank / of `rank`, as device addresses valid in this process.
+  uint8_t* local_base() const;
+  uint8_t* peer_base(int rank) const;
+
+  // Copy of the host-mapped error record (status 0 = no timeout, invalid_status 0 = no bad input).
+  ErrorRecord error_record() const;
+  // Forget a reported invalid input (timeouts are never cleared: the buffer is out of step).
+  void clear_invalid_input();
+
+  // Host-mapped counters: the device pointer is for kernels; the host reads through these calls.
+  int32_t* mapped_counters_device() const { return mapped_counters_device_; }
+  void reset_mapped_counter(int index);
+  std::vector<int32_t> read_mapped_counters(int begin, int count) const;
+  // Spins (host) until counter `index` != 0 and returns it; kMappedWaitTimeout after
+  // cpu_timeout_secs; kMappedWaitDeviceError as soon as a device timeout is recorded.
+  static constexpr int32_t kMappedWaitTimeout = -1;
+  static constexpr int32_t kMappedWaitDeviceError = -2;
+  int32_t wait_mapped_counter(int index) const;
+
+  // One-CTA cross-rank barrier kernel on `stream`.
+  void launch_barrier(cudaStream_t stream) const;
+  // Debug check of the workspace invariant: synchronises `stream` and returns the number of
+  // non-zero bytes in the zero-invariant range.
+  int64_t count_dirty_workspace_bytes(cudaStream_t stream) const;
+
+  // Quiesce-free teardown (the caller has synchronised and passed a barrier). Idempotent.
+  void destroy();
+
+ private:
+  void finish_connect(const std::vector<uint8_t*>& peer_bases);
+  void check_mapped_index(int index) const;
+
+  RuntimeConfig config_;
+  std::unique_ptr<SymmetricMemory> memory_;
+  bool connected_ = false;
+  bool destroyed_ = false;
+  DeviceView view_;
+  uint8_t** peer_table_device_ = nullptr;
+  ErrorRecord* error_host_ = nullptr;
+  ErrorRecord* error_device_ = nullptr;
+  volatile int32_t* mapped_counters_host_ = nullptr;
+  int32_t* mapped_counters_device_ = nullptr;
+};
+
+}  // namespace deep_ep

@@ -1,0 +1,38 @@
+"""Exceptions raised by deep_ep."""
+
+from __future__ import annotations
+
+
+class CommTimeoutError(RuntimeError):
+    """A peer never arrived at a device (or host) wait before the deadline.
+
+    The buffer that raised it refuses further work until ``destroy()``: its peers are out of step.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int = -1,
+        peer: int = -1,
+        operation: str = "",
+        phase: str = "",
+        expected: int = 0,
+        seen: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.operation = operation
+        self.phase = phase
+        self.expected = expected
+        self.seen = seen
+
+
+class BufferTooSmallError(ValueError):
+    """An operation needs more bytes of the symmetric window than the buffer holds."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes

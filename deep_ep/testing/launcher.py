@@ -1,0 +1,122 @@
+"""Spawn one process per rank, run a function in each, and bring results (or the first failure) back.
+
+Ranks are mapped to GPUs round-robin; when ranks outnumber GPUs they share them, the torch group is
+then `gloo` (NCCL refuses two ranks on one GPU; the buffer's ipc backend needs the group only to
+exchange handles), otherwise `nccl`. NVLink multicast stays off in every rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RankError(RuntimeError):
+    """A rank raised: carries its rank and the remote traceback."""
+
+    def __init__(self, rank: int, remote_traceback: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, num_ranks: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(_SAFE_ENV)
+    import torch
+    import torch.distributed as dist
+
+    try:
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device_id = None
+        if num_gpus > 0:
+            torch.cuda.set_device(rank % num_gpus)
+            device_id = torch.device("cuda", rank % num_gpus)
+        backend = "nccl" if 0 < num_ranks <= num_gpus else "gloo"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device_id
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks, **kwargs
+        )
+        try:
+            value = fn(rank, num_ranks, dist.group.WORLD, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+            payload = None
+        results.put((rank, "error", (traceback.format_exc(), payload)))
+
+
+def launch(fn: Callable[..., Any], num_ranks: int, *args: Any, timeout_secs: float = 900.0) -> list[Any]:
+    """Run ``fn(rank, num_ranks, group, *args)`` in ``num_ranks`` fresh processes; return their results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). The first failing rank's exception is
+    re-raised here as RankError (with the rank and its traceback) chained to the original exception.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, num_ranks, port, fn, args, results), daemon=True)
+        for rank in range(num_ranks)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    failure: tuple[int, str, bytes | None] | None = None
+    deadline = time.monotonic() + timeout_secs
+    try:
+        while len(collected) < num_ranks and failure is None:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes) if r not in collected and p.exitcode not in (None, 0)]
+                if dead:
+                    codes = {r: processes[r].exitcode for r in dead}
+                    raise RuntimeError(f"ranks {dead} died without reporting (exit codes {codes})") from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(num_ranks) if r not in collected]
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_secs:g} s") from None
+                continue
+            if status == "ok":
+                collected[rank] = pickle.loads(payload)
+            else:
+                failure = (rank, payload[0], payload[1])
+    finally:
+        if failure is not None or len(collected) < num_ranks:
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+        for process in processes:
+            process.join(timeout=30)
+    if failure is not None:
+        rank, remote_traceback, pickled = failure
+        original = None
+        if pickled is not None:
+            try:
+                original = pickle.loads(pickled)
+            except Exception:  # noqa: BLE001 - fall back to the traceback text
+                original = None
+        raise RankError(rank, remote_traceback) from original
+    return [collected[rank] for rank in range(num_ranks)]

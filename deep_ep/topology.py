@@ -1,0 +1,124 @@
+"""Topology arithmetic for a buffer: physical and logical domains, GPU sharing, backend choice.
+
+Pure functions over facts gathered from every rank, so they are unit-tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What one rank reports about itself at construction (gathered from every rank)."""
+
+    host: str
+    device_uuid: str
+    sm_count: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_ranks: int
+    num_rdma_ranks: int  # physical scale-out domains (nodes; virtual nodes under emulation)
+    num_nvlink_ranks: int  # ranks per physical load/store domain
+    num_scaleout_ranks: int  # logical
+    num_scaleup_ranks: int  # logical
+    ranks_per_gpu: int  # ranks of this host sharing this rank's GPU
+
+    def scaleout_rank_idx(self, rank: int) -> int:
+        return rank // self.num_scaleup_ranks
+
+    def scaleup_rank_idx(self, rank: int) -> int:
+        return rank % self.num_scaleup_ranks
+
+
+def emulated_ranks_per_node(num_ranks_per_node: int | None) -> int | None:
+    """The constructor argument, else env EP_EMULATE_RANKS_PER_NODE, else None."""
+    if num_ranks_per_node is not None:
+        return num_ranks_per_node
+    value = os.environ.get("EP_EMULATE_RANKS_PER_NODE", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"EP_EMULATE_RANKS_PER_NODE must be an integer, got {value!r}") from None
+
+
+def ranks_per_host(hosts: list[str]) -> int:
+    """Ranks per host; hosts must hold equal, contiguous blocks of ranks (global rank = node * size + local)."""
+    blocks: list[tuple[str, int]] = []
+    for host in hosts:
+        if blocks and blocks[-1][0] == host:
+            blocks[-1] = (host, blocks[-1][1] + 1)
+        else:
+            blocks.append((host, 1))
+    seen = [host for host, _ in blocks]
+    if len(set(seen)) != len(seen):
+        raise ValueError(
+            f"ranks of a host must be contiguous (global rank = node * ranks_per_node + local index), "
+            f"got host order {hosts}"
+        )
+    sizes = {size for _, size in blocks}
+    if len(sizes) != 1:
+        raise ValueError(f"every host must hold the same number of ranks, got {[size for _, size in blocks]}")
+    return sizes.pop()
+
+
+def build_topology(
+    facts: list[RankFacts], rank: int, *, num_ranks_per_node: int | None, allow_hybrid_mode: bool
+) -> Topology:
+    num_ranks = len(facts)
+    per_host = ranks_per_host([fact.host for fact in facts])
+    if per_host != num_ranks:
+        raise NotImplementedError(
+            f"the ranks span {num_ranks // per_host} hosts; scale-out between hosts (NCCL GIN) is not implemented "
+            f"yet: every rank must be on one host (use num_ranks_per_node= to emulate nodes on one host)"
+        )
+    node_size = emulated_ranks_per_node(num_ranks_per_node)
+    if node_size is None:
+        node_size = per_host
+    if node_size < 1 or num_ranks % node_size != 0:
+        raise ValueError(f"num_ranks_per_node must divide the group size {num_ranks}, got {node_size}")
+    num_nodes = num_ranks // node_size
+    hybrid = allow_hybrid_mode and num_nodes > 1
+    my_gpu = (facts[rank].host, facts[rank].device_uuid)
+    ranks_per_gpu = sum(1 for fact in facts if (fact.host, fact.device_uuid) == my_gpu)
+    return Topology(
+        num_ranks=num_ranks,
+        num_rdma_ranks=num_nodes,
+        num_nvlink_ranks=node_size,
+        num_scaleout_ranks=num_nodes if hybrid else 1,
+        num_scaleup_ranks=node_size if hybrid else num_ranks,
+        ranks_per_gpu=ranks_per_gpu,
+    )
+
+
+def gpu_is_shared(facts: list[RankFacts]) -> bool:
+    gpus = [(fact.host, fact.device_uuid) for fact in facts]
+    return len(set(gpus)) != len(gpus)
+
+
+def choose_backend(requested: str, shared_gpu: bool) -> str:
+    """'auto' → 'nccl' when every rank has its own GPU, else 'ipc' (NCCL refuses two ranks on one GPU)."""
+    if requested not in ("auto", "nccl", "ipc"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'ipc', got {requested!r}")
+    if requested == "nccl" and shared_gpu:
+        raise ValueError(
+            "backend='nccl' cannot serve ranks that share a GPU (NCCL refuses duplicate GPUs); use backend='ipc'"
+        )
+    if requested == "auto":
+        return "ipc" if shared_gpu else "nccl"
+    return requested
+
+
+def sm_cap(sm_count: int, ranks_per_gpu: int) -> int:
+    """SMs one rank may use: every rank's spinning kernels must fit on the GPU at once."""
+    return max(1, sm_count // max(1, ranks_per_gpu))
+
+
+def mps_is_running() -> bool:
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe_dir, "control"))

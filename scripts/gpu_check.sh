@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: build with all cores, start MPS, run the GPU tests for each
+# rank count, run the benchmarks, stop MPS, and print a short summary last. Logs, JSON and plots go
+# to $OUT (the device tool's output folder) or ./out.
+#
+# Knobs: EP_GPU_CHECK_RANKS (default 1,2,4,8), EP_GPU_CHECK_TESTS (default tests/gpu),
+#        EP_GPU_CHECK_BENCH (1 = run benchmarks, default 1), EP_GPU_CHECK_BENCH_RANKS (default 8),
+#        EP_GPU_CHECK_TIMEOUT (seconds per pytest run, default 900), PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export EP_RESULTS_DIR=$OUT
+PY=${PYTHON:-python3}
+RANKS=${EP_GPU_CHECK_RANKS:-1,2,4,8}
+TESTS=${EP_GPU_CHECK_TESTS:-tests/gpu}
+BENCH=${EP_GPU_CHECK_BENCH:-1}
+BENCH_RANKS=${EP_GPU_CHECK_BENCH_RANKS:-8}
+PER_RUN_TIMEOUT=${EP_GPU_CHECK_TIMEOUT:-900}
+summary=()
+
+start=$(date +%s)
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/nvidia-smi.txt" 2>&1
+if ! MAX_JOBS=$(nproc) $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  echo "gpu_check: BUILD FAILED (log: $OUT/build.log)"
+  exit 1
+fi
+build_s=$(( $(date +%s) - start ))
+summary+=("build: ${build_s} s")
+
+bash scripts/mps.sh start || summary+=("mps: not started (ranks sharing a GPU will be slow)")
+trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
+
+status=0
+for n in ${RANKS//,/ }; do
+  t0=$(date +%s)
+  EP_TEST_RANKS=$n timeout "$PER_RUN_TIMEOUT" $PY -m pytest $TESTS -q -rs -s -p no:cacheprovider \
+    > "$OUT/pytest_${n}ranks.log" 2>&1
+  rc=$?
+  [[ $rc -ne 0 ]] && status=1
+  line=$(grep -E "(passed|failed|error|skipped)" "$OUT/pytest_${n}ranks.log" | tail -1)
+  summary+=("tests ${n} ranks: rc=$rc $(( $(date +%s) - t0 )) s :: ${line}")
+  if [[ $rc -ne 0 ]]; then
+    grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest_${n}ranks.log" | head -15
+  fi
+done
+
+if [[ $BENCH == 1 ]]; then
+  for bench in bench_ht bench_ll; do
+    [[ -f benchmarks/$bench.py ]] || continue
+    t0=$(date +%s)
+    timeout "$PER_RUN_TIMEOUT" $PY benchmarks/$bench.py --num-ranks "$BENCH_RANKS" --out "$OUT" \
+      > "$OUT/${bench}.log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && status=1
+    summary+=("$bench (${BENCH_RANKS} ranks): rc=$rc $(( $(date +%s) - t0 )) s")
+    tail -25 "$OUT/${bench}.log"
+  done
+fi
+
+for file in "$OUT"/barrier_latency_*ranks.json; do
+  [[ -f $file ]] || continue
+  summary+=("$(basename "$file" .json): $($PY -c "import json,sys; print(round(json.load(open(sys.argv[1]))['us_per_barrier_max_over_ranks'], 2), 'us')" "$file")")
+done
+
+echo "===================== gpu_check summary ====================="
+printf '%s\n' "${summary[@]}"
+echo "total: $(( $(date +%s) - start )) s; status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+exit $status

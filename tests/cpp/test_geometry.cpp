@@ -1,0 +1,145 @@
+// Geometry and size hints: the byte counts the buffer, the planner and the kernels share.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "runtime/geometry.hpp"
+#include "runtime/sizing.hpp"
+
+namespace deep_ep {
+namespace {
+
+TEST(TokenLayout, Bf16DispatchSlotHoldsPayloadAndMetadataAligned) {
+  const TokenLayout layout = dispatch_token_layout(7168, /*use_fp8=*/false, 8);
+  EXPECT_EQ(layout.payload_bytes, 7168 * 2);
+  EXPECT_EQ(layout.scale_offset, layout.payload_bytes);
+  EXPECT_EQ(layout.topk_idx_offset, layout.payload_bytes);  // no scales for bf16
+  EXPECT_EQ(layout.weights_offset, layout.topk_idx_offset + 8 * 4);
+  EXPECT_EQ(layout.expert_slot_offset, layout.weights_offset + 8 * 4);
+  EXPECT_EQ(layout.src_offset, layout.expert_slot_offset + 8 * 4);
+  // 8 ids + 8 weights + 8 expert slots + source index = 100 B, aligned to 128.
+  EXPECT_EQ(layout.bytes, 7168 * 2 + 128);
+  EXPECT_EQ(layout.bytes % kSlotAlignBytes, 0);
+}
+
+TEST(TokenLayout, Fp8DispatchSlotCarriesOneScalePer128Channels) {
+  const TokenLayout layout = dispatch_token_layout(7168, /*use_fp8=*/true, 8);
+  EXPECT_EQ(layout.payload_bytes, 7168);
+  EXPECT_EQ(layout.scale_offset, 7168);
+  EXPECT_EQ(layout.topk_idx_offset, 7168 + 56 * 4);  // 224 B of scales is already 32-aligned
+  EXPECT_EQ(layout.bytes, 7168 + 224 + 128);
+}
+
+TEST(TokenLayout, CombineSlotIsPayloadPlusWeights) {
+  const TokenLayout layout = combine_token_layout(4096, 6);
+  EXPECT_EQ(layout.payload_bytes, 8192);
+  EXPECT_EQ(layout.weights_offset, 8192);
+  EXPECT_EQ(layout.bytes, 8192 + 32);
+}
+
+TEST(HighThroughput, DirectRegionsAreRowsPerSourceAndPerDistinctRank) {
+  const HighThroughputLayout layout = high_throughput_layout(Topology{8, 8}, 4096, 7168, 8, false);
+  const int64_t d = dispatch_token_layout(7168, false, 8).bytes;
+  const int64_t c = combine_token_layout(7168, 8).bytes;
+  EXPECT_EQ(layout.dispatch_recv_bytes, 8 * 4096 * d);
+  EXPECT_EQ(layout.combine_recv_bytes, 8 * 4096 * c);  // min(R, K) = 8
+  EXPECT_EQ(layout.region_bytes, align_up(std::max(8 * 4096 * d, 8 * 4096 * c), kWindowAlignBytes));
+  // Combine rows per token are bounded by top-k, not by the rank count.
+  const HighThroughputLayout wide = high_throughput_layout(Topology{64, 64}, 128, 7168, 4, false);
+  EXPECT_EQ(wide.combine_recv_bytes, 4 * 128 * combine_token_layout(7168, 4).bytes);
+}
+
+TEST(HighThroughput, HybridAddsScaleoutStagingAndForwardedRows) {
+  const HighThroughputLayout layout = high_throughput_layout(Topology{16, 8}, 1024, 2048, 8, true);
+  const int64_t d = dispatch_token_layout(2048, true, 8).bytes;
+  EXPECT_EQ(layout.scaleout_send_bytes, 1024 * d);
+  EXPECT_EQ(layout.scaleout_recv_bytes, 2 * 1024 * d);
+  EXPECT_EQ(layout.dispatch_recv_bytes, 8 * 2 * 1024 * d);
+  EXPECT_EQ(layout.dispatch_bytes, (1 + 2 + 16) * 1024 * d);
+  EXPECT_EQ(layout.region_bytes % kWindowAlignBytes, 0);
+}
+
+TEST(LowLatency, PlannerExampleMessageAndReceiveSlots) {
+  // 64 ranks, 256 experts, 128 tokens, hidden 7168, fp8: 7408 B messages, 4*64*128 slots.
+  EXPECT_EQ(low_latency_message_bytes(7168, true), 7408);
+  EXPECT_EQ(low_latency_message_bytes(7168, false), 7168 * 2 + 16);
+  EXPECT_EQ(int64_t{4} * 64 * 128 * low_latency_message_bytes(7168, true), 242745344);
+}
+
+TEST(LowLatency, ParityHoldsEveryAreaInOrderAndAligned) {
+  const LowLatencyLayout layout = low_latency_layout(128, 7168, 8, 256, 8);
+  const int64_t rows = 32 * 8 * 128;
+  EXPECT_EQ(layout.num_local_experts, 32);
+  EXPECT_EQ(layout.dispatch_payload_offset, 0);
+  EXPECT_EQ(layout.dispatch_scales_offset, rows * 7168 * 2);
+  EXPECT_EQ(layout.dispatch_headers_offset, layout.dispatch_scales_offset + rows * 56 * 4);
+  EXPECT_EQ(layout.dispatch_counts_offset, layout.dispatch_headers_offset + rows * 16);
+  EXPECT_EQ(layout.combine_payload_offset, layout.dispatch_counts_offset + 256 * 4);
+  EXPECT_EQ(layout.combine_flags_offset, layout.combine_payload_offset + 128 * 8 * 7168 * 2);
+  EXPECT_GE(layout.parity_bytes, layout.combine_flags_offset + 8 * 4);
+  EXPECT_EQ(layout.parity_bytes % kWindowAlignBytes, 0);
+  EXPECT_EQ(layout.region_bytes, 2 * layout.parity_bytes);
+  EXPECT_EQ(layout.parity_offset(1), layout.parity_bytes);
+}
+
+TEST(LowLatency, EmptyWhenNotRequested) { EXPECT_EQ(low_latency_layout(0, 7168, 8, 256, 8).region_bytes, 0); }
+
+TEST(Workspace, ZeroInvariantRangeCoversCountersNotEpochs) {
+  EXPECT_GT(WorkspaceLayout::zero_invariant_begin, WorkspaceLayout::barrier_cells_offset);
+  EXPECT_LE(WorkspaceLayout::zero_invariant_end, WorkspaceLayout::grid_generations_offset);
+  EXPECT_LT(WorkspaceLayout::barrier_epoch_offset + 8, WorkspaceLayout::bytes + 1);
+  EXPECT_EQ(WorkspaceLayout::bytes % kWindowAlignBytes, 0);
+}
+
+TEST(Window, RegionsFollowTheWorkspaceAligned) {
+  const WindowLayout layout = window_layout(3 * kWindowAlignBytes + 5, kWindowAlignBytes);
+  EXPECT_EQ(layout.ht_offset, WorkspaceLayout::bytes);
+  EXPECT_EQ(layout.ht_bytes, 4 * kWindowAlignBytes);
+  EXPECT_EQ(layout.ll_offset, layout.ht_offset + layout.ht_bytes);
+  EXPECT_EQ(layout.total_bytes, WorkspaceLayout::bytes + 5 * kWindowAlignBytes);
+}
+
+TEST(Sizing, DefaultTopKSizesForTheMaximum) {
+  EXPECT_EQ(resolve_high_throughput_topk(0), kMaxTopK);
+  EXPECT_EQ(resolve_low_latency_topk(0, 16), 16);
+  EXPECT_EQ(resolve_low_latency_topk(0, 256), kMaxTopK);
+  EXPECT_EQ(resolve_low_latency_topk(6, 256), 6);
+}
+
+TEST(Sizing, RejectsBadRequestsNamingTheArgument) {
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{0, 1, 128, 7168, 8, false}); }).find("num_ranks"),
+            std::string::npos);
+  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 3, 128, 7168, 8, false}); })
+                .find("num_ranks_per_node"),
+            std::string::npos);
+  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 8, 128, 7000, 8, true}); }).find("hidden"),
+            std::string::npos);
+  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 8, 128, 7168, 40, false}); }).find("num_topk"),
+            std::string::npos);
+  EXPECT_NE(message([] { low_latency_layout(LowLatencyRequest{8, 128, 7168, 260, 8}); }).find("num_experts"),
+            std::string::npos);
+  EXPECT_NE(message([] { low_latency_layout(LowLatencyRequest{8, 128, 7000, 256, 8}); }).find("hidden"),
+            std::string::npos);
+}
+
+TEST(Sizing, BufferWindowMatchesItsParts) {
+  const HighThroughputRequest ht{8, 8, 4096, 7168, 8, true};
+  const LowLatencyRequest ll{8, 128, 7168, 256, 8};
+  const WindowLayout window = buffer_window(ht, ll);
+  EXPECT_EQ(window.ht_bytes, high_throughput_layout(ht).region_bytes);
+  EXPECT_EQ(window.ll_bytes, low_latency_layout(ll).region_bytes);
+  EXPECT_EQ(window.total_bytes, WorkspaceLayout::bytes + window.ht_bytes + window.ll_bytes);
+}
+
+}  // namespace
+}  // namespace deep_ep

@@ -1,0 +1,44 @@
+"""The rank launcher works without a GPU (gloo) and reports a failing rank with its traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from deep_ep.testing import RankError, launch
+
+
+def _sum_ranks(rank, num_ranks, group, offset):
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([rank + offset])
+    dist.all_reduce(value, group=group)
+    return int(value.item())
+
+
+def _fail_on_last(rank, num_ranks, group):
+    if rank == num_ranks - 1:
+        raise ValueError(f"rank {rank} planted failure")
+    return rank
+
+
+def test_launch_returns_every_rank_result_in_order():
+    assert launch(_sum_ranks, 3, 10) == [33, 33, 33]
+
+
+def test_launch_works_for_one_rank():
+    assert launch(_sum_ranks, 1, 5) == [5]
+
+
+def test_launch_reraises_failing_rank_with_traceback():
+    with pytest.raises(RankError) as info:
+        launch(_fail_on_last, 2)
+    assert info.value.rank == 1
+    assert "planted failure" in info.value.remote_traceback
+    assert "_fail_on_last" in info.value.remote_traceback
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_launch_rejects_zero_ranks():
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        launch(_sum_ranks, 0, 1)
