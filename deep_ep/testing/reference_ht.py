@@ -1,0 +1,282 @@
+"""Reference model of high-throughput dispatch and combine for a whole EP group.
+
+Notation: R ranks, E experts, L = E / R local experts; expert ``e`` lives on rank ``e // L`` with
+local id ``e % L``. Inputs are lists indexed by rank; outputs are one dict per rank. The GPU
+kernels are compared bitwise against these results, so every ordering and every fp32 operation
+below is part of the contract (see the ``ht_dispatch`` and ``ht_combine`` docstrings).
+"""
+
+import torch
+
+from deep_ep.testing.reference_inputs import (
+    GroupInputs,
+    TokenInput,
+    align_up,
+    check_group,
+    check_topk_idx,
+    describe,
+    local_expert_ids,
+    num_local_experts,
+)
+
+__all__ = ["ht_dispatch", "ht_combine"]
+
+BiasInput = torch.Tensor | tuple[torch.Tensor | None, ...] | list[torch.Tensor | None] | None
+
+
+def ht_dispatch(
+    xs: list[TokenInput],
+    topk_idxs: list[torch.Tensor],
+    topk_weights_list: list[torch.Tensor] | None,
+    num_experts: int,
+    *,
+    expert_alignment: int = 1,
+    do_expand: bool = False,
+) -> list[dict]:
+    """What every destination rank receives.
+
+    Token ``t`` of source ``s`` goes to rank ``d`` once if any of its experts lives on ``d``.
+    Non-expand: rows ordered by ``(s, t)``; keys ``x``, ``x_scales`` (None for bf16), ``topk_idx``
+    (local ids, -1 for experts elsewhere), ``topk_weights`` (the full source row, or None),
+    ``src_rank``, ``src_token``. Expand: one row per (token, local expert), grouped by local
+    expert, group ``l`` starting at the sum of the aligned sizes of groups ``< l``, rows inside
+    a group ordered by ``(s, t)``; padding rows are zero with ``src_rank = src_token =
+    local_expert = -1``; ``topk_weights`` is 1-D (that pair's weight). Both carry
+    ``num_recv_tokens_per_rank`` [R], ``num_recv_tokens_per_expert`` [L] (unaligned) and
+    ``num_recv_tokens_per_expert_aligned`` [L].
+    """
+    if expert_alignment < 1:
+        raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+    group = check_group(xs, topk_idxs, topk_weights_list, num_experts)
+    build = _dispatch_expanded if do_expand else _dispatch_rows
+    return [build(group, rank, expert_alignment) for rank in range(group.num_ranks)]
+
+
+def _received_tokens(group: GroupInputs, source: int, dest: int) -> torch.Tensor:
+    local_ids = local_expert_ids(group.topk_idx[source], dest, group.num_local_experts)
+    return (local_ids >= 0).any(dim=1).nonzero().squeeze(1)
+
+
+def _count_lists(group: GroupInputs, dest: int, per_expert: list[int], alignment: int) -> dict:
+    return {
+        "num_recv_tokens_per_rank": [
+            _received_tokens(group, source, dest).numel() for source in range(group.num_ranks)
+        ],
+        "num_recv_tokens_per_expert": per_expert,
+        "num_recv_tokens_per_expert_aligned": [align_up(count, alignment) for count in per_expert],
+    }
+
+
+def _dispatch_rows(group: GroupInputs, dest: int, alignment: int) -> dict:
+    x, scales, topk_idx, weights, src_rank, src_token = [], [], [], [], [], []
+    for source in range(group.num_ranks):
+        tokens = _received_tokens(group, source, dest)
+        x.append(group.data[source][tokens])
+        if group.scales is not None:
+            scales.append(group.scales[source][tokens])
+        topk_idx.append(local_expert_ids(group.topk_idx[source], dest, group.num_local_experts)[tokens])
+        if group.topk_weights is not None:
+            weights.append(group.topk_weights[source][tokens])
+        src_rank.append(torch.full_like(tokens, source))
+        src_token.append(tokens)
+    recv_topk_idx = torch.cat(topk_idx)
+    # Ids in a row are distinct, so counting matches is counting the rows that hold each local expert.
+    per_expert = [int((recv_topk_idx == local).sum()) for local in range(group.num_local_experts)]
+    return {
+        "x": torch.cat(x).view(group.payload_dtype),
+        "x_scales": torch.cat(scales) if group.scales is not None else None,
+        "topk_idx": recv_topk_idx,
+        "topk_weights": torch.cat(weights) if group.topk_weights is not None else None,
+        "src_rank": torch.cat(src_rank),
+        "src_token": torch.cat(src_token),
+        **_count_lists(group, dest, per_expert, alignment),
+    }
+
+
+def _dispatch_expanded(group: GroupInputs, dest: int, alignment: int) -> dict:
+    # pieces[l] = per source (tokens, slots) of the tokens that selected local expert l.
+    pieces = []
+    for local in range(group.num_local_experts):
+        expert = dest * group.num_local_experts + local
+        pieces.append([(group.topk_idx[source] == expert).nonzero(as_tuple=True) for source in range(group.num_ranks)])
+    per_expert = [sum(tokens.numel() for tokens, _ in per_source) for per_source in pieces]
+    counts = _count_lists(group, dest, per_expert, alignment)
+    num_rows = sum(counts["num_recv_tokens_per_expert_aligned"])
+
+    device, hidden = group.device, group.hidden
+    x = torch.zeros(num_rows, hidden, dtype=group.data[0].dtype, device=device)
+    scales = None
+    if group.scales is not None:
+        scales = torch.zeros(num_rows, group.scales[0].shape[1], dtype=torch.float32, device=device)
+    weights = None if group.topk_weights is None else torch.zeros(num_rows, dtype=torch.float32, device=device)
+    src_rank, src_token, local_expert = (
+        torch.full((num_rows,), -1, dtype=torch.int64, device=device) for _ in range(3)
+    )
+
+    offset = 0
+    for local, per_source in enumerate(pieces):
+        row = offset
+        for source, (tokens, slots) in enumerate(per_source):
+            rows = slice(row, row + tokens.numel())
+            x[rows] = group.data[source][tokens]
+            if scales is not None:
+                scales[rows] = group.scales[source][tokens]
+            if weights is not None:
+                weights[rows] = group.topk_weights[source][tokens, slots]
+            src_rank[rows] = source
+            src_token[rows] = tokens
+            local_expert[rows] = local
+            row += tokens.numel()
+        offset += counts["num_recv_tokens_per_expert_aligned"][local]
+    return {
+        "x": x.view(group.payload_dtype),
+        "x_scales": scales,
+        "topk_weights": weights,
+        "src_rank": src_rank,
+        "src_token": src_token,
+        "local_expert": local_expert,
+        **counts,
+    }
+
+
+def ht_combine(
+    dispatch_results: list[dict],
+    ys: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    num_experts: int,
+    *,
+    weights_list: list[torch.Tensor] | None = None,
+    biases: list[BiasInput] | None = None,
+    do_expand: bool = False,
+) -> list[dict]:
+    """What combine returns on every source rank: ``{"x": bf16 [T, H], "topk_weights": fp32 [T, K] or None}``.
+
+    ``ys[d]`` holds one bf16 row per row of ``dispatch_results[d]`` (expand padding is ignored).
+    Per token, in fp32 starting at 0.0: add ``bias0``, then ``bias1``, then the contribution of
+    each destination rank in ascending order, then round to bf16 once (nearest even). A
+    contribution is the received row (non-expand) or, in expand mode, the fp32 sum of the
+    token's rows at that rank in ascending local-expert order, rounded to bf16 because that
+    partial travels as bf16. Combined weights: slot ``k`` is read from the rank owning expert
+    ``topk_idx[t, k]`` (0.0 where it is -1).
+    """
+    num_ranks = len(topk_idxs)
+    num_local = num_local_experts(num_experts, num_ranks)
+    _check_combine_inputs(dispatch_results, ys, weights_list, biases, num_ranks, do_expand)
+    hidden = ys[0].shape[1]
+    results = []
+    for source in range(num_ranks):
+        topk_idx = topk_idxs[source]
+        check_topk_idx(f"topk_idxs[{source}]", topk_idx, topk_idx.shape[0], num_experts)
+        row_of = [
+            _row_lookup(dispatch_results[dest], source, topk_idx.shape[0], num_local, do_expand)
+            for dest in range(num_ranks)
+        ]
+        acc = torch.zeros(topk_idx.shape[0], hidden, dtype=torch.float32, device=ys[0].device)
+        for bias in _bias_terms(biases, source, topk_idx.shape[0], hidden):
+            acc = acc + bias.float()
+        for dest in range(num_ranks):
+            _check_lookup_matches_routing(row_of[dest], topk_idx, source, dest, num_local, do_expand)
+            present, contribution = _contribution(ys[dest], row_of[dest], do_expand)
+            acc[present] = acc[present] + contribution
+        weights = None
+        if weights_list is not None:
+            weights = _combined_weights(weights_list, row_of, topk_idx, num_local, do_expand)
+        results.append({"x": acc.to(torch.bfloat16), "topk_weights": weights})
+    return results
+
+
+def _check_combine_inputs(
+    dispatch_results: list[dict],
+    ys: list[torch.Tensor],
+    weights_list: list[torch.Tensor] | None,
+    biases: list[BiasInput] | None,
+    num_ranks: int,
+    do_expand: bool,
+) -> None:
+    for name, value in (("dispatch_results", dispatch_results), ("ys", ys), ("weights_list", weights_list)):
+        if value is not None and len(value) != num_ranks:
+            raise ValueError(f"{name} must have one entry per rank ({num_ranks}), got {len(value)}")
+    if biases is not None and len(biases) != num_ranks:
+        raise ValueError(f"biases must have one entry per source rank ({num_ranks}), got {len(biases)}")
+    hidden = ys[0].shape[-1]
+    for dest, (result, y) in enumerate(zip(dispatch_results, ys, strict=True)):
+        if ("local_expert" in result) != do_expand:
+            raise ValueError(f"dispatch_results[{dest}] was not built with do_expand={do_expand}")
+        num_rows = result["src_rank"].numel()
+        if y.dtype != torch.bfloat16 or list(y.shape) != [num_rows, hidden]:
+            raise ValueError(f"ys[{dest}] must be bfloat16 [{num_rows}, {hidden}], got {describe(y)}")
+        if weights_list is not None:
+            expected = [num_rows] if do_expand else [num_rows, result["topk_idx"].shape[1]]
+            if weights_list[dest].dtype != torch.float32 or list(weights_list[dest].shape) != expected:
+                raise ValueError(f"weights_list[{dest}] must be float32 {expected}, got {describe(weights_list[dest])}")
+
+
+def _bias_terms(biases: list[BiasInput] | None, source: int, num_tokens: int, hidden: int) -> list[torch.Tensor]:
+    bias = None if biases is None else biases[source]
+    terms = [bias] if isinstance(bias, torch.Tensor) else [term for term in (bias or ()) if term is not None]
+    if len(terms) > 2:
+        raise ValueError(f"biases[{source}] may hold at most two tensors, got {len(terms)}")
+    for term in terms:
+        if term.dtype != torch.bfloat16 or list(term.shape) != [num_tokens, hidden]:
+            raise ValueError(f"biases[{source}] must be bfloat16 [{num_tokens}, {hidden}], got {describe(term)}")
+    return terms
+
+
+def _row_lookup(result: dict, source: int, num_tokens: int, num_local: int, do_expand: bool) -> torch.Tensor:
+    """Row of ``result`` holding each token of ``source``: [T] (non-expand) or [T, L] (expand), -1 if none."""
+    rows = (result["src_rank"] == source).nonzero().squeeze(1)
+    tokens = result["src_token"][rows]
+    device = result["src_rank"].device
+    if not do_expand:
+        lookup = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        lookup[tokens] = rows
+        return lookup
+    lookup = torch.full((num_tokens, num_local), -1, dtype=torch.int64, device=device)
+    lookup[tokens, result["local_expert"][rows]] = rows
+    return lookup
+
+
+def _check_lookup_matches_routing(
+    row_of: torch.Tensor, topk_idx: torch.Tensor, source: int, dest: int, num_local: int, do_expand: bool
+) -> None:
+    local_ids = local_expert_ids(topk_idx, dest, num_local)
+    if do_expand:
+        expected = torch.zeros_like(row_of, dtype=torch.bool)
+        tokens, slots = (local_ids >= 0).nonzero(as_tuple=True)
+        expected[tokens, local_ids[tokens, slots]] = True
+    else:
+        expected = (local_ids >= 0).any(dim=1)
+    if not torch.equal(row_of >= 0, expected):
+        raise ValueError(f"dispatch_results[{dest}] does not hold the tokens topk_idxs[{source}] routes to rank {dest}")
+
+
+def _contribution(y: torch.Tensor, row_of: torch.Tensor, do_expand: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens present at this rank, their fp32 contribution)``."""
+    if not do_expand:
+        present = row_of >= 0
+        return present, y[row_of[present]].float()
+    present = (row_of >= 0).any(dim=1)
+    partial = torch.zeros(row_of.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for local in range(row_of.shape[1]):
+        has = row_of[:, local] >= 0
+        partial[has] = partial[has] + y[row_of[has, local]].float()
+    return present, partial[present].to(torch.bfloat16).float()
+
+
+def _combined_weights(
+    weights_list: list[torch.Tensor],
+    row_of: list[torch.Tensor],
+    topk_idx: torch.Tensor,
+    num_local: int,
+    do_expand: bool,
+) -> torch.Tensor:
+    combined = torch.zeros(topk_idx.shape, dtype=torch.float32, device=weights_list[0].device)
+    for slot in range(topk_idx.shape[1]):
+        experts = topk_idx[:, slot]
+        for dest, dest_rows in enumerate(row_of):
+            tokens = ((experts >= 0) & (experts // num_local == dest)).nonzero().squeeze(1)
+            if do_expand:
+                combined[tokens, slot] = weights_list[dest][dest_rows[tokens, experts[tokens] % num_local]]
+            else:
+                combined[tokens, slot] = weights_list[dest][dest_rows[tokens], slot]
+    return combined

@@ -1,0 +1,224 @@
+"""Hand-worked cases for the high-throughput reference model (R=2, E=4, L=2, K=2).
+
+Routing used throughout (expert e lives on rank e // 2, local id e % 2):
+  rank 0: token 0 → experts [0, 3] (ranks 0 and 1), token 1 → [2, 3] (rank 1 twice → sent once),
+          token 2 → [-1, 1] (rank 0)
+  rank 1: token 0 → [1, 0] (rank 0 twice), token 1 → [-1, -1] (nowhere), token 2 → [3, -1] (rank 1)
+Token rows are constant: rank 0 tokens hold 1, 2, 3; rank 1 tokens hold 11, 12, 13.
+"""
+
+import pytest
+import torch
+
+from deep_ep.testing.reference import ht_combine, ht_dispatch
+
+NUM_EXPERTS = 4
+HIDDEN = 128
+TOPK_IDXS = [torch.tensor([[0, 3], [2, 3], [-1, 1]]), torch.tensor([[1, 0], [-1, -1], [3, -1]])]
+WEIGHTS = [torch.tensor([[0.5, 0.25], [1.5, 2.0], [3.0, 0.75]]), torch.tensor([[4.0, 5.0], [6.0, 7.0], [8.0, 9.0]])]
+
+
+def rows(*values: float, hidden: int = HIDDEN) -> torch.Tensor:
+    """bf16 [len(values), H] whose row i is filled with values[i]."""
+    return torch.tensor(values, dtype=torch.float32).unsqueeze(1).expand(-1, hidden).bfloat16()
+
+
+def tokens() -> list[torch.Tensor]:
+    return [rows(1, 2, 3), rows(11, 12, 13)]
+
+
+def dispatch(**kwargs) -> list[dict]:
+    return ht_dispatch(tokens(), TOPK_IDXS, WEIGHTS, NUM_EXPERTS, **kwargs)
+
+
+def test_dispatch_orders_rows_by_source_rank_then_token():
+    rank0, rank1 = dispatch()
+    assert torch.equal(rank0["x"], rows(1, 3, 11))
+    assert rank0["src_rank"].tolist() == [0, 0, 1] and rank0["src_token"].tolist() == [0, 2, 0]
+    assert torch.equal(rank1["x"], rows(1, 2, 13))
+    assert rank1["src_rank"].tolist() == [0, 0, 1] and rank1["src_token"].tolist() == [0, 1, 2]
+    assert rank0["x_scales"] is None and rank1["x_scales"] is None
+
+
+def test_dispatch_maps_topk_idx_to_local_ids_and_minus_one_elsewhere():
+    rank0, rank1 = dispatch()
+    assert rank0["topk_idx"].tolist() == [[0, -1], [-1, 1], [1, 0]]
+    assert rank1["topk_idx"].tolist() == [[-1, 1], [0, 1], [1, -1]]
+    assert rank0["topk_idx"].dtype == torch.int64
+
+
+def test_dispatch_carries_full_weight_rows_unchanged():
+    rank0, rank1 = dispatch()
+    assert rank0["topk_weights"].tolist() == [[0.5, 0.25], [3.0, 0.75], [4.0, 5.0]]
+    assert rank1["topk_weights"].tolist() == [[0.5, 0.25], [1.5, 2.0], [8.0, 9.0]]
+
+
+def test_dispatch_without_weights_returns_none():
+    rank0, _ = ht_dispatch(tokens(), TOPK_IDXS, None, NUM_EXPERTS)
+    assert rank0["topk_weights"] is None
+
+
+def test_dispatch_counts_a_token_once_per_rank_and_aligns_expert_counts():
+    rank0, rank1 = dispatch(expert_alignment=4)
+    assert rank0["num_recv_tokens_per_rank"] == [2, 1]
+    assert rank0["num_recv_tokens_per_expert"] == [2, 2]
+    assert rank0["num_recv_tokens_per_expert_aligned"] == [4, 4]
+    # Rank 0's token 1 selects both experts of rank 1 but arrives once.
+    assert rank1["num_recv_tokens_per_rank"] == [2, 1]
+    assert rank1["num_recv_tokens_per_expert"] == [1, 3]
+    assert rank1["num_recv_tokens_per_expert_aligned"] == [4, 4]
+
+
+def test_dispatch_moves_fp8_payload_with_its_scales():
+    fp8_tokens = [(x.float().div(8).to(torch.float8_e4m3fn), torch.full((3, 1), 0.0)) for x in tokens()]
+    for rank, (_, scales) in enumerate(fp8_tokens):
+        scales[:, 0] = torch.tensor([1.0, 2.0, 3.0]) + 10 * rank
+    rank0, rank1 = ht_dispatch(fp8_tokens, TOPK_IDXS, WEIGHTS, NUM_EXPERTS)
+    assert rank0["x"].dtype == torch.float8_e4m3fn
+    assert torch.equal(rank0["x"].float(), rows(1, 3, 11).float().div(8).to(torch.float8_e4m3fn).float())
+    assert rank0["x_scales"].tolist() == [[1.0], [3.0], [11.0]]
+    assert rank1["x_scales"].tolist() == [[1.0], [2.0], [13.0]]
+
+
+def test_expand_groups_rows_by_local_expert_with_aligned_zero_padding():
+    rank0, rank1 = dispatch(expert_alignment=4, do_expand=True)
+    assert torch.equal(rank0["x"], rows(1, 11, 0, 0, 3, 11, 0, 0))
+    assert rank0["local_expert"].tolist() == [0, 0, -1, -1, 1, 1, -1, -1]
+    assert rank0["src_rank"].tolist() == [0, 1, -1, -1, 0, 1, -1, -1]
+    assert rank0["src_token"].tolist() == [0, 0, -1, -1, 2, 0, -1, -1]
+    assert rank0["topk_weights"].tolist() == [0.5, 5.0, 0.0, 0.0, 0.75, 4.0, 0.0, 0.0]
+    assert torch.equal(rank1["x"], rows(2, 0, 0, 0, 1, 2, 13, 0))
+    assert rank1["local_expert"].tolist() == [0, -1, -1, -1, 1, 1, 1, -1]
+    assert rank1["src_rank"].tolist() == [0, -1, -1, -1, 0, 0, 1, -1]
+    assert rank1["src_token"].tolist() == [1, -1, -1, -1, 0, 1, 2, -1]
+    assert rank1["topk_weights"].tolist() == [1.5, 0.0, 0.0, 0.0, 0.25, 2.0, 8.0, 0.0]
+    assert rank1["num_recv_tokens_per_expert"] == [1, 3]
+    assert rank1["num_recv_tokens_per_expert_aligned"] == [4, 4]
+    assert rank1["num_recv_tokens_per_rank"] == [2, 1]
+    assert "topk_idx" not in rank1
+
+
+def test_expand_without_alignment_packs_groups():
+    rank0, rank1 = dispatch(do_expand=True)
+    assert torch.equal(rank0["x"], rows(1, 11, 3, 11))
+    assert rank0["local_expert"].tolist() == [0, 0, 1, 1]
+    assert torch.equal(rank1["x"], rows(2, 1, 2, 13))
+
+
+def test_expand_pads_fp8_scales_with_zero():
+    fp8_tokens = [(x.float().to(torch.float8_e4m3fn), torch.ones(3, 1) * (rank + 2)) for rank, x in enumerate(tokens())]
+    rank0, _ = ht_dispatch(fp8_tokens, TOPK_IDXS, None, NUM_EXPERTS, expert_alignment=4, do_expand=True)
+    assert rank0["x_scales"].squeeze(1).tolist() == [2.0, 3.0, 0.0, 0.0, 2.0, 3.0, 0.0, 0.0]
+    assert rank0["x"].view(torch.uint8)[2:4].eq(0).all() and rank0["topk_weights"] is None
+
+
+def test_dispatch_handles_a_rank_without_tokens():
+    topk_idxs = [torch.tensor([[3, 0]]), torch.zeros(0, 2, dtype=torch.int64)]
+    results = ht_dispatch([rows(5), rows(hidden=HIDDEN)], topk_idxs, None, NUM_EXPERTS)
+    assert [r["num_recv_tokens_per_rank"] for r in results] == [[1, 0], [1, 0]]
+    combined = ht_combine(results, [r["x"] for r in results], topk_idxs, NUM_EXPERTS)
+    assert torch.equal(combined[0]["x"], rows(10)) and list(combined[1]["x"].shape) == [0, HIDDEN]
+
+
+def test_combine_sums_contributions_of_every_destination():
+    results = dispatch()
+    ys = [rows(1, 3, 11), rows(2, 4, 26)]  # each received row times (destination rank + 1)
+    rank0, rank1 = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS)
+    assert torch.equal(rank0["x"], rows(1 + 2, 4, 3))
+    assert torch.equal(rank1["x"], rows(11, 0, 26))
+    assert rank0["topk_weights"] is None
+
+
+def test_combine_adds_one_or_two_biases_before_contributions():
+    results = dispatch()
+    ys = [rows(1, 3, 11), rows(2, 4, 26)]
+    biases = [(rows(1, 2, 3), rows(0.25, 0.25, 0.25)), rows(1, 1, 1)]
+    rank0, rank1 = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, biases=biases)
+    assert torch.equal(rank0["x"], rows(4.25, 6.25, 6.25))
+    # Rank 1's token 1 went nowhere: it gets its bias only.
+    assert torch.equal(rank1["x"], rows(12, 1, 27))
+
+
+def test_combine_rounds_to_bf16_once_after_summing_in_fp32():
+    # Token (0, 0): bias 2^-9, then 1 (rank 0), then 2^-8 (rank 1). fp32 holds 1 + 3 * 2^-9,
+    # which rounds to 1 + 2^-7; rounding after every add would give 1 (the second add is a tie).
+    results = dispatch()
+    ys = [rows(1, 0, 0), rows(2.0**-8, 0, 0)]
+    biases = [rows(2.0**-9, 0, 0), None]
+    rank0, _ = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, biases=biases)
+    assert rank0["x"][0, 0].item() == 1 + 2.0**-7
+
+
+def test_combine_gathers_weights_from_the_rank_owning_each_expert():
+    results = dispatch()
+    ys = [r["x"] for r in results]
+    weights_list = [
+        torch.tensor([[10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]),
+        torch.tensor([[20.0, 21.0], [22.0, 23.0], [24.0, 25.0]]),
+    ]
+    rank0, rank1 = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, weights_list=weights_list)
+    assert rank0["topk_weights"].tolist() == [[10.0, 21.0], [22.0, 23.0], [0.0, 13.0]]
+    assert rank1["topk_weights"].tolist() == [[14.0, 15.0], [0.0, 0.0], [24.0, 0.0]]
+
+
+def test_expand_combine_sums_expert_rows_and_ignores_padding():
+    results = dispatch(expert_alignment=4, do_expand=True)
+    # Each expanded row times (local expert + 1); padding rows hold 999.
+    ys = [rows(1, 11, 999, 999, 6, 22, 999, 999), rows(2, 999, 999, 999, 2, 4, 26, 999)]
+    weights_list = [
+        torch.tensor([10.0, 11.0, -1, -1, 12.0, 13.0, -1, -1]),
+        torch.tensor([20.0, -1, -1, -1, 21.0, 22.0, 23.0, -1]),
+    ]
+    rank0, rank1 = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, weights_list=weights_list, do_expand=True)
+    assert torch.equal(rank0["x"], rows(3, 6, 6))
+    assert torch.equal(rank1["x"], rows(33, 0, 26))
+    assert rank0["topk_weights"].tolist() == [[10.0, 21.0], [20.0, 22.0], [0.0, 12.0]]
+    assert rank1["topk_weights"].tolist() == [[13.0, 11.0], [0.0, 0.0], [23.0, 0.0]]
+
+
+def test_expand_combine_rounds_each_rank_partial_to_bf16():
+    # Token (0, 1) has experts l0 and l1 on rank 1: partial 1 + 2^-8 rounds (tie, even) to 1 before
+    # travelling; with bias 2^-9 the total is 1 + 2^-9 → 1. Without the partial rounding it
+    # would be 1 + 3 * 2^-9 → 1 + 2^-7.
+    results = dispatch(expert_alignment=4, do_expand=True)
+    ys = [rows(0, 0, 0, 0, 0, 0, 0, 0), rows(1, 0, 0, 0, 0, 2.0**-8, 0, 0)]
+    biases = [rows(0, 2.0**-9, 0), None]
+    rank0, _ = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, biases=biases, do_expand=True)
+    assert rank0["x"][1, 0].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("topk_idx", "message"),
+    [
+        (torch.tensor([[1, 1], [0, -1], [2, 3]]), "more than once"),
+        (torch.tensor([[0, 4], [0, -1], [2, 3]]), "outside"),
+        (torch.tensor([[0, -2], [0, -1], [2, 3]]), "outside"),
+        (torch.tensor([[0, 1], [0, -1], [2, 3]], dtype=torch.int32), "int64"),
+    ],
+)
+def test_dispatch_rejects_bad_topk_idx(topk_idx, message):
+    with pytest.raises(ValueError, match=message):
+        ht_dispatch(tokens(), [topk_idx, TOPK_IDXS[1]], None, NUM_EXPERTS)
+
+
+def test_dispatch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        ht_dispatch(tokens(), TOPK_IDXS, None, 3)
+    with pytest.raises(ValueError, match="expert_alignment"):
+        ht_dispatch(tokens(), TOPK_IDXS, None, NUM_EXPERTS, expert_alignment=0)
+    with pytest.raises(ValueError, match="mix"):
+        ht_dispatch(
+            [tokens()[0], (tokens()[1].float().to(torch.float8_e4m3fn), torch.ones(3, 1))], TOPK_IDXS, None, NUM_EXPERTS
+        )
+    with pytest.raises(ValueError, match="topk_weights_list"):
+        ht_dispatch(tokens(), TOPK_IDXS, [WEIGHTS[0], WEIGHTS[1][:2]], NUM_EXPERTS)
+
+
+def test_combine_rejects_mismatched_inputs():
+    results = dispatch()
+    with pytest.raises(ValueError, match=r"ys\[1\] must be bfloat16 \[3, 128\]"):
+        ht_combine(results, [rows(1, 2, 3), rows(1, 2)], TOPK_IDXS, NUM_EXPERTS)
+    with pytest.raises(ValueError, match="do_expand=True"):
+        ht_combine(results, [rows(1, 2, 3), rows(1, 2, 3)], TOPK_IDXS, NUM_EXPERTS, do_expand=True)
+    with pytest.raises(ValueError, match="does not hold"):
+        ht_combine(results, [rows(1, 2, 3), rows(1, 2, 3)], TOPK_IDXS[::-1], NUM_EXPERTS)
