@@ -15,13 +15,15 @@ void check_ranks(int num_ranks) {
           "num_ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
 }
 
-void check_hidden(int hidden, bool use_fp8) {
+// `whole_groups_reason` is empty when any multiple of 8 will do, else why hidden needs whole
+// 128-channel groups (one fp32 scale per group).
+void check_hidden(int hidden, const std::string& whole_groups_reason) {
   require(hidden > 0, "hidden must be positive, got " + std::to_string(hidden));
-  // Rows move in 16-byte vectors: bf16 needs hidden % 8 == 0; fp8 scales need whole 128-channel groups.
+  // Rows move in 16-byte vectors: bf16 needs hidden % 8 == 0.
   require(hidden % 8 == 0, "hidden must be a multiple of 8 (16-byte rows), got " + std::to_string(hidden));
-  if (use_fp8) {
+  if (!whole_groups_reason.empty()) {
     require(hidden % kFp8GroupSize == 0,
-            "hidden must be a multiple of 128 for fp8 (one scale per 128 channels), got " + std::to_string(hidden));
+            "hidden must be a multiple of 128 " + whole_groups_reason + ", got " + std::to_string(hidden));
   }
 }
 
@@ -48,7 +50,7 @@ HighThroughputLayout high_throughput_layout(const HighThroughputRequest& request
               std::to_string(request.num_scaleup_ranks));
   check_topk(request.num_topk);
   if (request.num_max_tokens_per_rank == 0) return HighThroughputLayout{};
-  check_hidden(request.hidden, request.use_fp8);
+  check_hidden(request.hidden, request.use_fp8 ? "for fp8 (one scale per 128 channels)" : "");
   const Topology topology{request.num_ranks, request.num_scaleup_ranks};
   return deep_ep::high_throughput_layout(topology, request.num_max_tokens_per_rank, request.hidden,
                                          resolve_high_throughput_topk(request.num_topk), request.use_fp8);
@@ -60,7 +62,8 @@ LowLatencyLayout low_latency_layout(const LowLatencyRequest& request) {
                                                     std::to_string(request.num_max_tokens_per_rank));
   check_topk(request.num_topk);
   if (request.num_max_tokens_per_rank == 0) return LowLatencyLayout{};
-  check_hidden(request.hidden, /*use_fp8=*/true);
+  // The LL region always reserves fp8 scales, whichever format a call uses.
+  check_hidden(request.hidden, "for the low-latency region (it reserves one fp8 scale per 128 channels)");
   require(request.num_experts > 0 && request.num_experts <= kMaxExperts,
           "num_experts must be in [1, " + std::to_string(kMaxExperts) + "], got " + std::to_string(request.num_experts));
   require(request.num_experts % request.num_ranks == 0, "num_experts (" + std::to_string(request.num_experts) +
