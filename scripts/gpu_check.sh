@@ -40,7 +40,7 @@ trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
 status=0
 for n in ${RANKS//,/ }; do
   t0=$(date +%s)
-  EP_TEST_RANKS=$n timeout "$PER_RUN_TIMEOUT" $PY -m pytest $TESTS -q -rs -s -p no:cacheprovider \
+  EP_TEST_RANKS=$n timeout "$PER_RUN_TIMEOUT" $PY -m pytest $TESTS -q -rs -s -p no:cacheprovider --durations=12 \
     > "$OUT/pytest_${n}ranks.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
