@@ -133,7 +133,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "num_gpu_timeout_secs": self.num_gpu_timeout_secs,
         }
         properties = torch.cuda.get_device_properties(self.device)
-        facts = RankFacts(host=socket.gethostname(), device_uuid=str(properties.uuid), sm_count=properties.multi_processor_count)
+        facts = RankFacts(
+            host=socket.gethostname(), device_uuid=str(properties.uuid), sm_count=properties.multi_processor_count
+        )
         gathered: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (facts, settings), group=group)
         all_facts = [item[0] for item in gathered]
@@ -225,7 +227,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         num_ranks = group.size()
         node_size = emulated_ranks_per_node(num_ranks_per_node) or num_ranks
         scaleup = node_size if allow_hybrid_mode and node_size < num_ranks else num_ranks
-        region = _C.high_throughput_layout(num_ranks, scaleup, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        region = _C.high_throughput_layout(
+            num_ranks, scaleup, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch
+        )
         return _C.window_layout(region["region_bytes"], 0)["total_bytes"]
 
     @staticmethod
@@ -295,8 +299,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         if record["status"] > 0:
             waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
             self._failure = CommTimeoutError(
-                f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s in phase "
-                f"'{record['phase']}' waiting for {waited_for} (expected {record['expected']}, saw {record['seen']}); "
+                f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s "
+                f"in phase '{record['phase']}' waiting for {waited_for} (expected {record['expected']}, saw {record['seen']}); "
                 "the buffer refuses further work until destroy()",
                 rank=record["rank"],
                 peer=record["peer"],

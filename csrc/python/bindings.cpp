@@ -5,6 +5,7 @@ namespace deep_ep {
 void register_build_info(pybind11::module_& m);
 void register_geometry(pybind11::module_& m);
 void register_runtime(pybind11::module_& m);
+void register_high_throughput(pybind11::module_& m);
 }  // namespace deep_ep
 
 PYBIND11_MODULE(_C, m) {
@@ -12,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   deep_ep::register_build_info(m);
   deep_ep::register_geometry(m);
   deep_ep::register_runtime(m);
+  deep_ep::register_high_throughput(m);
 }

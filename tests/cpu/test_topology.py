@@ -16,7 +16,7 @@ from deep_ep.topology import (
 
 
 def _facts(hosts: list[str], gpus: list[str]) -> list[RankFacts]:
-    return [RankFacts(host=host, device_uuid=gpu, sm_count=132) for host, gpu in zip(hosts, gpus)]
+    return [RankFacts(host=host, device_uuid=gpu, sm_count=132) for host, gpu in zip(hosts, gpus, strict=True)]
 
 
 def test_one_host_is_one_direct_domain():

@@ -100,10 +100,18 @@ def _payload_before_barrier(rank, num_ranks, group):
     try:
         ints_per_slot = 1024
         offset = buffer._window["ht_offset"]
-        local = window_tensor(buffer, buffer.local_window_base(), offset, (num_ranks, ints_per_slot), torch.int32, "cuda")
+        local = window_tensor(
+            buffer, buffer.local_window_base(), offset, (num_ranks, ints_per_slot), torch.int32, "cuda"
+        )
         peer_slots = [
-            window_tensor(buffer, buffer._runtime.peer_base(peer), offset + rank * ints_per_slot * 4, (ints_per_slot,),
-                          torch.int32, "cuda")
+            window_tensor(
+                buffer,
+                buffer._runtime.peer_base(peer),
+                offset + rank * ints_per_slot * 4,
+                (ints_per_slot,),
+                torch.int32,
+                "cuda",
+            )
             for peer in range(num_ranks)
         ]
         base = torch.arange(ints_per_slot, dtype=torch.int32, device="cuda")
