@@ -300,7 +300,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
             self._failure = CommTimeoutError(
                 f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s "
-                f"in phase '{record['phase']}' waiting for {waited_for} (expected {record['expected']}, saw {record['seen']}); "
+                f"in phase '{record['phase']}' waiting for {waited_for} "
+                f"(expected {record['expected']}, saw {record['seen']}); "
                 "the buffer refuses further work until destroy()",
                 rank=record["rank"],
                 peer=record["peer"],
