@@ -148,9 +148,13 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
 //                     receive area *is* recv_x [L, R*T_ll, H] and needs no repack
 //   dispatch scales   [L][R][T_ll][hidden/128] fp32
 //   dispatch headers  [L][R][T_ll] x 16 B (source token, top-k slot)
-//   dispatch counts   [L][R] int32, count+1 ("0 = not arrived"), reset to 0 by the receiver
+//   dispatch counts   [L][R] int32 arrival cells, count+1 ("0 = not arrived"), reset to 0 by the receive
+//                     kernel; dispatch: tokens of source s for local expert l; combine: rows returned by
+//                     local expert l of rank s
 //   combine payload   [T_ll][K][hidden] bf16: the row of (token, top-k slot k) returned by its expert
-//   combine flags     [R] int32, reset to 0 by the receiver
+//   combine flags     [R] int32 ready epochs, never reset: [me] = operations received on this parity,
+//                     [d] = epoch at which rank d last freed its area (send phases wait for it, so a
+//                     rank running ahead never overwrites an area a slower peer still reads)
 // No send staging: every LL peer is load/store reachable (scale-out LL is not implemented).
 struct LowLatencyLayout {
   int64_t num_max_tokens = 0;

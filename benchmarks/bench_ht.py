@@ -1,0 +1,307 @@
+"""High-throughput dispatch/combine benchmark (definitions of every figure: docs/performance.md).
+
+    python benchmarks/bench_ht.py --num-ranks 8 --out DIR [--tokens 256,1024,4096,8192]
+    torchrun --nproc-per-node 8 benchmarks/bench_ht.py --out DIR
+
+Per token count T and operation: median time over >= 50 CUDA-event-timed runs after warm-up (each
+run starts right after a device barrier, so all ranks start together), DeepEP-style bytes and GB/s
+per rank, SMs used, per-kernel times (torch.profiler), and the fraction of the HBM floor: bytes
+that must move summed over the ranks of a GPU, divided by the device copy bandwidth measured in the
+same run. Writes DIR/bench_ht.json and DIR/bench_ht.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+
+HIDDEN = 7168
+TOPK = 8
+EXPERTS = 256
+FP8_GROUP = 128
+KERNELS = ("notify_kernel", "dispatch_kernel", "epilogue_kernel", "combine_kernel", "reduce_kernel")
+OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "combine_bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-ranks", type=int, default=8, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--out", default="benchmarks/results", help="output directory")
+    parser.add_argument("--tokens", default="256,1024,4096,8192", help="comma list of tokens per rank")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--num-topk", type=int, default=TOPK)
+    parser.add_argument("--num-experts", type=int, default=EXPERTS)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50, help="timed runs per operation (>= 50 for the table)")
+    parser.add_argument("--num-sms", type=int, default=0, help="0: the analytic estimate")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, counting bytes read + written (the same convention as the floor)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * iters / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def timed_runs(buffer, operation, warmup: int, iters: int) -> list[float]:
+    """Per-run times (us); each run starts right after a device barrier on the caller's stream."""
+    for _ in range(warmup):
+        operation()
+    events = []
+    for _ in range(iters):
+        buffer.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        operation()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+def kernel_times_us(buffer, operation, runs: int = 5) -> dict[str, float]:
+    """Average device time of each HT kernel over a few profiled runs (empty if profiling fails)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                buffer.barrier()
+                operation()
+            torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for event in prof.key_averages():
+            for kernel in KERNELS:
+                if kernel in event.key:
+                    total = getattr(event, "device_time_total", None)
+                    if total is None:
+                        total = getattr(event, "cuda_time_total", 0.0)
+                    totals[kernel] = totals.get(kernel, 0.0) + total / runs
+        return totals
+    except Exception as error:  # noqa: BLE001 - profiling is optional
+        print(f"[bench_ht] kernel profiling failed: {error}", file=sys.stderr)
+        return {}
+
+
+def make_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=generator)
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    weights = torch.rand(num_tokens, num_topk, device="cuda", generator=generator)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+    return x, topk_idx, weights
+
+
+def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every operation at one token count."""
+    hidden, num_topk, num_experts = config["hidden"], config["num_topk"], config["num_experts"]
+    x, topk_idx, weights = make_inputs(num_tokens, hidden, num_experts, num_topk, seed=1000 * rank + num_tokens)
+    x_fp8 = deep_ep.per_token_cast_to_fp8(x)
+    common = {"num_experts": num_experts, "num_sms": config["num_sms"]}
+    recv_x, _, recv_weights, handle, _ = buffer.dispatch(x_fp8, topk_idx, weights, **common)
+    y = deep_ep.per_token_cast_back(*recv_x)
+    operations = {
+        "dispatch_fp8": lambda: buffer.dispatch(x_fp8, topk_idx, weights, **common),
+        "dispatch_bf16": lambda: buffer.dispatch(x, topk_idx, weights, **common),
+        "dispatch_fp8_cached": lambda: buffer.dispatch(x_fp8, topk_weights=weights, handle=handle),
+        "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_weights),
+    }
+    results = []
+    for name, operation in operations.items():
+        times = sorted(timed_runs(buffer, operation, config["warmup"], config["iters"]))
+        results.append(
+            {
+                "num_tokens": num_tokens,
+                "operation": name,
+                "median_us": statistics.median(times),
+                "p10_us": times[len(times) // 10],
+                "p90_us": times[(len(times) * 9) // 10],
+                "num_recv_tokens": handle.num_recv_tokens,
+                "num_sms": handle.num_sms,
+                "kernels_us": kernel_times_us(buffer, operation),
+            }
+        )
+    return results
+
+
+def bench_rank(rank: int, num_ranks: int, group, config: dict[str, Any]) -> dict[str, Any]:
+    hidden, num_topk = config["hidden"], config["num_topk"]
+    tokens = config["tokens"]
+    gpu = torch.cuda.current_device()
+    # The first rank of each GPU measures the copy bandwidth while the others wait.
+    gpu_of_rank: list[Any] = [None] * num_ranks
+    dist.all_gather_object(
+        gpu_of_rank, (os.uname().nodename, str(torch.cuda.get_device_properties(gpu).uuid)), group=group
+    )
+    first_on_gpu = gpu_of_rank.index(gpu_of_rank[rank]) == rank
+    bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
+    dist.barrier(group=group)
+
+    buffer = deep_ep.ElasticBuffer(
+        group, num_max_tokens_per_rank=max(tokens), hidden=hidden, num_topk=num_topk, explicitly_destroy=True
+    )
+    results = []
+    try:
+        for num_tokens in tokens:
+            results += bench_tokens(buffer, rank, num_tokens, config)
+            buffer._check_device_errors()
+    finally:
+        buffer.destroy()
+    return {"rank": rank, "gpu": gpu_of_rank[rank], "copy_gbs": bandwidth, "results": results}
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def token_bytes(operation: str, hidden: int) -> int:
+    """Bytes of one token as DeepEP counts them: payload (+ fp8 scales)."""
+    if operation.startswith("dispatch_fp8"):
+        return hidden + hidden // FP8_GROUP * 4
+    return hidden * 2
+
+
+def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    hidden = config["hidden"]
+    gpus = sorted({tuple(item["gpu"]) for item in per_rank})
+    bandwidth = {gpu: next(item["copy_gbs"] for item in per_rank if tuple(item["gpu"]) == gpu) for gpu in gpus}
+    rows = []
+    for num_tokens in config["tokens"]:
+        for operation in OPERATIONS:
+            entries = [
+                next(r for r in item["results"] if r["num_tokens"] == num_tokens and r["operation"] == operation)
+                for item in per_rank
+            ]
+            per_token = token_bytes(operation, hidden)
+            time_us = max(entry["median_us"] for entry in entries)
+            gbs = [per_token * entry["num_recv_tokens"] / (entry["median_us"] * 1e-6) / 1e9 for entry in entries]
+            # HBM floor per GPU: dispatch reads each source token once and writes each (token,
+            # destination) copy once; combine reads each received row once and writes each token once.
+            floor_us = 0.0
+            for gpu in gpus:
+                ranks = [i for i, item in enumerate(per_rank) if tuple(item["gpu"]) == gpu]
+                moved = sum((num_tokens + entries[i]["num_recv_tokens"]) * per_token for i in ranks)
+                floor_us = max(floor_us, moved / (bandwidth[gpu] * 1e9) * 1e6)
+            kernels: dict[str, float] = {}
+            for entry in entries:
+                for kernel, value in entry["kernels_us"].items():
+                    kernels[kernel] = max(kernels.get(kernel, 0.0), value)
+            rows.append(
+                {
+                    "num_tokens": num_tokens,
+                    "operation": operation,
+                    "time_us": time_us,
+                    "time_us_per_rank": [entry["median_us"] for entry in entries],
+                    "bytes_per_token": per_token,
+                    "bytes_per_rank": [per_token * entry["num_recv_tokens"] for entry in entries],
+                    "gbs_per_rank": gbs,
+                    "gbs_per_rank_mean": sum(gbs) / len(gbs),
+                    "floor_us": floor_us,
+                    "floor_fraction": floor_us / time_us,
+                    "num_sms": entries[0]["num_sms"],
+                    "kernels_us_max_over_ranks": kernels,
+                }
+            )
+    return {
+        "config": config,
+        "num_ranks": len(per_rank),
+        "num_gpus": len(gpus),
+        "copy_gbs_per_gpu": list(bandwidth.values()),
+        "rows": rows,
+    }
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for operation in OPERATIONS:
+        rows = [row for row in summary["rows"] if row["operation"] == operation]
+        tokens = [row["num_tokens"] for row in rows]
+        left.plot(tokens, [row["gbs_per_rank_mean"] for row in rows], marker="o", label=operation)
+        right.plot(tokens, [row["floor_fraction"] for row in rows], marker="o", label=operation)
+    for axis, label in ((left, "GB/s per rank (DeepEP-style)"), (right, "fraction of the HBM floor")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("tokens per rank (T)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(
+        f"deep_ep HT: {summary['num_ranks']} ranks on {summary['num_gpus']} GPU(s), H={summary['config']['hidden']}, "
+        f"K={summary['config']['num_topk']}, E={summary['config']['num_experts']}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_ht.json"), "w") as file:
+        json.dump(summary, file, indent=1)
+    plot(summary, os.path.join(out_dir, "bench_ht.png"))
+    print(f"{'T':>6} {'operation':<20} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4}  kernels (us)")
+    for row in summary["rows"]:
+        kernels = " ".join(
+            f"{name.removesuffix('_kernel')}={value:.0f}" for name, value in row["kernels_us_max_over_ranks"].items()
+        )
+        print(
+            f"{row['num_tokens']:>6} {row['operation']:<20} {row['time_us']:>9.1f} {row['gbs_per_rank_mean']:>10.1f} "
+            f"{row['floor_fraction']:>6.2f} {row['num_sms']:>4}  {kernels}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = {
+        "tokens": [int(value) for value in args.tokens.split(",") if value.strip()],
+        "hidden": args.hidden,
+        "num_topk": args.num_topk,
+        "num_experts": args.num_experts,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "num_sms": args.num_sms,
+    }
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # torchrun: this process is one rank.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        num_gpus = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % num_gpus)
+        dist.init_process_group("nccl" if world <= num_gpus else "gloo")
+        result = bench_rank(rank, world, dist.group.WORLD, config)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        dist.destroy_process_group()
+        if rank == 0:
+            write_outputs(summarize(gathered, config), args.out)
+        return
+    from deep_ep.testing import launch
+
+    per_rank = launch(bench_rank, args.num_ranks, config, timeout_secs=1800)
+    write_outputs(summarize(per_rank, config), args.out)
+
+
+if __name__ == "__main__":
+    main()

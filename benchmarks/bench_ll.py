@@ -1,0 +1,364 @@
+"""Low-latency dispatch/combine benchmark (decode shapes).
+
+    python benchmarks/bench_ll.py --num-ranks 8 --out DIR [--tokens 1,32,128,256] [--experts 256,288]
+    torchrun --nproc-per-node 8 benchmarks/bench_ll.py --out DIR
+
+One buffer per expert count E, sized for T_ll = max(tokens); per token count T: fp8 dispatch and
+bf16 combine, each timed
+  * eager: send + receive in one call;
+  * graph: the same call captured once in a CUDA graph and replayed;
+  * hook: the send phase and the receive phase separately (return_recv_hook=True), with a device
+    barrier between them so the receive phase measures receiving, not waiting for late peers.
+Every timed region starts right after a device barrier (all ranks start together); a run's time
+is the slowest rank's, and the figure is the median over runs.
+
+Bytes (DeepEP's convention, per rank): dispatch = valid selections x (H + H/128 * 4 + 16),
+combine = valid selections x 2H. HBM floor, per GPU: dispatch reads each source token once
+(2H bytes) and writes each (token, expert) message once; combine reads each expert row once (2H)
+and writes each final token once (2H); summed over the ranks sharing the GPU, divided by the device
+copy bandwidth (read + write) measured in the same run, plus one barrier. floor_fraction =
+floor / measured time. Writes DIR/bench_ll.json and DIR/bench_ll.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import deep_ep
+from deep_ep import _C
+from deep_ep.testing.data import make_routing, make_tokens, make_weights
+
+HIDDEN = 7168
+TOPK = 8
+OPERATIONS = ("dispatch", "combine")
+MODES = ("eager", "graph", "send", "recv")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-ranks", type=int, default=8, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--out", default="benchmarks/results", help="output directory")
+    parser.add_argument("--tokens", default="1,32,128,256", help="comma list of tokens per rank")
+    parser.add_argument("--experts", default="256,288", help="comma list of expert counts")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--num-topk", type=int, default=TOPK)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50, help="timed runs per operation and mode")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, counting bytes read + written (the floor's convention)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * iters / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def timed_phases(buffer: Any, phases: list[Callable[[], None]], warmup: int, iters: int) -> list[list[float]]:
+    """Per phase, per run, its time in us; each phase starts right after a device barrier."""
+    for _ in range(warmup):
+        for phase in phases:
+            phase()
+    events = []
+    for _ in range(iters):
+        run = []
+        for phase in phases:
+            buffer.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            phase()
+            end.record()
+            run.append((start, end))
+        events.append(run)
+    torch.cuda.synchronize()
+    buffer._check_device_errors()
+    return [[run[i][0].elapsed_time(run[i][1]) * 1e3 for run in events] for i in range(len(phases))]
+
+
+def barrier_us(buffer: Any, iters: int) -> list[float]:
+    """One device barrier, timed after a first barrier has lined the ranks up."""
+    return timed_phases(buffer, [buffer.barrier], 5, iters)[0]
+
+
+class RoundTrip:
+    """One rank's inputs at one T and the calls that time them (handles carried between phases)."""
+
+    def __init__(self, buffer: Any, num_tokens: int, config: dict[str, Any], rank: int) -> None:
+        self.buffer = buffer
+        self.cap = config["cap"]
+        hidden, num_topk, num_experts = config["hidden"], config["num_topk"], buffer.num_experts
+        generator = torch.Generator().manual_seed(7919 * rank + 31 * num_tokens + num_experts)
+        topk_idx = make_routing(
+            num_tokens, num_experts, num_topk, generator=generator, minus_one_ratio=0.0, all_minus_one_tokens=0
+        )
+        self.x = make_tokens(num_tokens, hidden, generator).cuda()
+        self.topk_idx = topk_idx.cuda()
+        self.topk_weights = make_weights(topk_idx, generator).cuda()
+        self.num_selections = int((topk_idx >= 0).sum())
+        num_local = num_experts // buffer.num_ranks
+        # Expert outputs: any bf16 values do; only the rows the dispatch filled are read.
+        self.expert_out = torch.randn(num_local, buffer.num_ranks * self.cap, hidden, device="cuda").to(torch.bfloat16)
+        self.out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        self.handle: Any = None
+        self.hook: Any = None
+        self.dispatch()  # a handle for the first combine
+
+    def dispatch(self, hook: bool = False) -> None:
+        _, recv_count, self.handle, _, self.hook = self.buffer.low_latency_dispatch(
+            self.x, self.topk_idx, self.cap, self.buffer.num_experts, use_fp8=True, return_recv_hook=hook
+        )
+        self.recv_count = recv_count
+
+    def combine(self, hook: bool = False) -> None:
+        _, _, self.hook = self.buffer.low_latency_combine(
+            self.expert_out, self.topk_idx, self.topk_weights, self.handle, return_recv_hook=hook, out=self.out
+        )
+
+    def receive(self) -> None:
+        self.hook()
+
+    def capture(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Graphs of one dispatch and of the combine answering it (parities stay in step: D, C)."""
+        dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dispatch_graph):
+            self.dispatch()
+        with torch.cuda.graph(combine_graph):
+            self.combine()
+        self._graphs = (dispatch_graph, combine_graph)
+        return dispatch_graph.replay, combine_graph.replay
+
+
+def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int) -> dict[str, Any]:
+    trip = RoundTrip(buffer, num_tokens, config, rank)
+    warmup, iters = config["warmup"], config["iters"]
+    times: dict[str, dict[str, list[float]]] = {operation: {} for operation in OPERATIONS}
+    eager = timed_phases(buffer, [trip.dispatch, trip.combine], warmup, iters)
+    hooked = timed_phases(
+        buffer,
+        [lambda: trip.dispatch(hook=True), trip.receive, lambda: trip.combine(hook=True), trip.receive],
+        warmup,
+        iters,
+    )
+    trip.dispatch()
+    graph = timed_phases(buffer, list(trip.capture()), warmup, iters)
+    for index, operation in enumerate(OPERATIONS):
+        times[operation]["eager"] = eager[index]
+        times[operation]["graph"] = graph[index]
+        times[operation]["send"] = hooked[2 * index]
+        times[operation]["recv"] = hooked[2 * index + 1]
+    received = int(trip.recv_count.sum())
+    return {
+        "num_tokens": num_tokens,
+        "num_experts": buffer.num_experts,
+        "num_selections": trip.num_selections,
+        "num_received": received,
+        "times_us": times,
+    }
+
+
+def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) -> dict[str, Any]:
+    gpu = torch.cuda.current_device()
+    gpu_of_rank: list[Any] = [None] * num_ranks
+    dist.all_gather_object(
+        gpu_of_rank, (os.uname().nodename, str(torch.cuda.get_device_properties(gpu).uuid)), group=group
+    )
+    # The first rank of each GPU measures the copy bandwidth while the others wait.
+    first_on_gpu = gpu_of_rank.index(gpu_of_rank[rank]) == rank
+    bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
+    dist.barrier(group=group)
+    results, barriers, sm_cap = [], [], 0
+    for num_experts in config["experts"]:
+        buffer = deep_ep.ElasticBuffer(
+            group,
+            hidden=config["hidden"],
+            num_topk=config["num_topk"],
+            num_max_dispatch_tokens_per_rank=config["cap"],
+            num_experts=num_experts,
+            explicitly_destroy=True,
+        )
+        try:
+            sm_cap = buffer._max_num_sms
+            barriers += barrier_us(buffer, config["iters"])
+            for num_tokens in config["tokens"]:
+                results.append(bench_tokens(buffer, num_tokens, config, rank))
+        finally:
+            buffer.destroy()
+        torch.cuda.empty_cache()
+    return {
+        "rank": rank,
+        "gpu": gpu_of_rank[rank],
+        "device_name": torch.cuda.get_device_name(gpu),
+        "copy_gbs": bandwidth,
+        "barrier_us": barriers,
+        "sm_cap": sm_cap,
+        "results": results,
+    }
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def slowest_rank_median(per_rank_runs: list[list[float]]) -> float:
+    """Median over runs of the slowest rank's time (runs are aligned by the barriers)."""
+    return statistics.median(max(run) for run in zip(*per_rank_runs, strict=True))
+
+
+def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    hidden = config["hidden"]
+    message_bytes = _C.low_latency_message_bytes(hidden, True)
+    gpus = sorted({tuple(item["gpu"]) for item in per_rank})
+    bandwidth = {gpu: next(item["copy_gbs"] for item in per_rank if tuple(item["gpu"]) == gpu) for gpu in gpus}
+    barrier = slowest_rank_median([item["barrier_us"] for item in per_rank])
+    rows = []
+    for num_experts in config["experts"]:
+        for num_tokens in config["tokens"]:
+            entries = [
+                next(r for r in item["results"] if r["num_tokens"] == num_tokens and r["num_experts"] == num_experts)
+                for item in per_rank
+            ]
+            for operation in OPERATIONS:
+                per_selection = message_bytes if operation == "dispatch" else 2 * hidden
+                floor_us = 0.0
+                for gpu in gpus:
+                    ranks = [i for i, item in enumerate(per_rank) if tuple(item["gpu"]) == gpu]
+                    if operation == "dispatch":
+                        moved = sum(
+                            2 * hidden * num_tokens + message_bytes * entries[i]["num_selections"] for i in ranks
+                        )
+                    else:
+                        moved = sum(2 * hidden * (entries[i]["num_received"] + num_tokens) for i in ranks)
+                    floor_us = max(floor_us, moved / (bandwidth[gpu] * 1e9) * 1e6)
+                floor_us += barrier
+                times = {mode: slowest_rank_median([e["times_us"][operation][mode] for e in entries]) for mode in MODES}
+                bytes_per_rank = [per_selection * entry["num_selections"] for entry in entries]
+                mean_bytes = sum(bytes_per_rank) / len(bytes_per_rank)
+                rows.append(
+                    {
+                        "num_experts": num_experts,
+                        "num_tokens": num_tokens,
+                        "operation": operation,
+                        "time_us": times,
+                        "bytes_per_rank": bytes_per_rank,
+                        "gbs_per_rank_eager": mean_bytes / (times["eager"] * 1e-6) / 1e9,
+                        "gbs_per_rank_graph": mean_bytes / (times["graph"] * 1e-6) / 1e9,
+                        "floor_us": floor_us,
+                        "floor_fraction_eager": floor_us / times["eager"],
+                        "floor_fraction_graph": floor_us / times["graph"],
+                    }
+                )
+    return {
+        "config": config,
+        "num_ranks": len(per_rank),
+        "num_gpus": len(gpus),
+        "device_name": per_rank[0]["device_name"],
+        "sm_cap_per_rank": per_rank[0]["sm_cap"],
+        "copy_gbs_per_gpu": list(bandwidth.values()),
+        "barrier_us": barrier,
+        "message_bytes_fp8": message_bytes,
+        "rows": rows,
+    }
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    experts = summary["config"]["experts"]
+    figure, axes = plt.subplots(2, len(experts), figsize=(6 * len(experts), 8), squeeze=False)
+    for column, num_experts in enumerate(experts):
+        for row_index, operation in enumerate(OPERATIONS):
+            axis = axes[row_index][column]
+            rows = [r for r in summary["rows"] if r["num_experts"] == num_experts and r["operation"] == operation]
+            tokens = [r["num_tokens"] for r in rows]
+            for mode in MODES:
+                label = {"send": "hook: send phase", "recv": "hook: receive phase"}.get(mode, mode)
+                axis.plot(tokens, [r["time_us"][mode] for r in rows], marker="o", label=label)
+            axis.plot(tokens, [r["floor_us"] for r in rows], linestyle="--", color="black", label="HBM floor + barrier")
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("tokens per rank (T)")
+            axis.set_ylabel("time (us, median of the slowest rank)")
+            axis.set_title(f"{operation}, E={num_experts}")
+            axis.grid(True, alpha=0.3)
+            axis.legend(fontsize=8)
+    config = summary["config"]
+    figure.suptitle(
+        f"deep_ep LL: {summary['num_ranks']} ranks on {summary['num_gpus']} GPU(s), H={config['hidden']}, "
+        f"K={config['num_topk']}, T_ll={config['cap']}, fp8 dispatch, bf16 combine"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_ll.json"), "w") as file:
+        json.dump(summary, file, indent=1)
+    plot(summary, os.path.join(out_dir, "bench_ll.png"))
+    print(
+        f"copy bandwidth {summary['copy_gbs_per_gpu']} GB/s, barrier {summary['barrier_us']:.1f} us, "
+        f"SM cap per rank {summary['sm_cap_per_rank']}"
+    )
+    print(f"{'E':>4} {'T':>4} {'op':<9} {'eager':>7} {'graph':>7} {'send':>7} {'recv':>7} {'GB/s':>7} {'floor':>6}")
+    for row in summary["rows"]:
+        t = row["time_us"]
+        print(
+            f"{row['num_experts']:>4} {row['num_tokens']:>4} {row['operation']:<9} {t['eager']:>7.1f} "
+            f"{t['graph']:>7.1f} {t['send']:>7.1f} {t['recv']:>7.1f} {row['gbs_per_rank_graph']:>7.1f} "
+            f"{row['floor_fraction_graph']:>6.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tokens = [int(value) for value in args.tokens.split(",") if value.strip()]
+    config = {
+        "tokens": tokens,
+        "experts": [int(value) for value in args.experts.split(",") if value.strip()],
+        "cap": max(tokens),
+        "hidden": args.hidden,
+        "num_topk": args.num_topk,
+        "warmup": args.warmup,
+        "iters": args.iters,
+    }
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # torchrun: this process is one rank.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        num_gpus = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % num_gpus)
+        dist.init_process_group("nccl" if world <= num_gpus else "gloo")
+        result = bench_rank(rank, world, dist.group.WORLD, config)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        dist.destroy_process_group()
+        if rank == 0:
+            write_outputs(summarize(gathered, config), args.out)
+        return
+    from deep_ep.testing import launch
+
+    per_rank = launch(bench_rank, args.num_ranks, config, timeout_secs=1800)
+    write_outputs(summarize(per_rank, config), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+// High-throughput (HT) dispatch and combine in direct mode: every rank is load/store reachable.
+//
+// One dispatch is up to three kernels on the communication stream, one combine is two:
+//   notify    (uncached dispatch only) slots by prefix, count exchange through the workspace
+//   dispatch  each token row straight into every destination's receive slot
+//   epilogue  receive slots -> output tensors (non-expand rows or expanded per-expert rows)
+//   combine   each received row (expand: its rows pre-summed) back into its home rank's area
+//   reduce    home rank: bias + contributions in fixed order, one bf16 rounding
+//
+// Receive areas (geometry.hpp, HighThroughputLayout, direct): dispatch rows [source][T_max], the
+// row of a token being its slot = ordinal among the sender's tokens for that destination, so rows
+// arrive in (source rank, source token) order without atomics. Combine rows [j][T_max], j = index
+// of the sending rank among the token's distinct destination ranks (ascending). Both start at
+// offset 0 of the HT region: every sequence starts with a cross-rank barrier.
+//
+// This header is host C++ (no device code): the bindings include it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "runtime/device_view.hpp"
+#include "runtime/geometry.hpp"
+#include "runtime/runtime.hpp"
+
+namespace deep_ep::ht {
+
+// Grid-sync counters (WorkspaceLayout::kNumGridCounters) used by the HT kernels. Kernels of one
+// stream run one at a time, but distinct slots keep a failed kernel from confusing the next one.
+constexpr int kGridSlotNotify = 8;
+constexpr int kGridSlotDispatch = 9;
+constexpr int kGridSlotCombine = 10;
+
+// Host-mapped counters written by the notify kernel when the caller asked for a CPU sync.
+constexpr int kMappedNumRecvTokens = 0;               // non-expand rows N
+constexpr int kMappedNumExpandedTokens = 1;           // expanded rows N' (sum of aligned per-expert counts)
+constexpr int kMappedAlignedExpertCounts = 2;         // [L] aligned per-local-expert counts
+constexpr int kMappedReady = kNumMappedCounters - 1;  // set to 1 last, with a system-scope release
+
+// Metadata columns of every received (non-expand) row: source rank, source token, combine row j.
+constexpr int kSrcMetadataColumns = 3;
+
+// Per-call routing counts of one rank (int32, one allocation owned by the handle). Offsets in ints.
+struct CountsLayout {
+  int recv_per_source = 0;       // [R] tokens received from each source rank
+  int psum_per_source = 0;       // [R] inclusive prefix sum of the above (last = N)
+  int expert_offsets = 0;        // [R][L] rows of local expert l from sources < s (exclusive over sources)
+  int unaligned_per_expert = 0;  // [L] rows of local expert l (all sources)
+  int expert_start = 0;          // [L] first expanded row of expert l: exclusive psum of aligned counts
+  int psum_per_expert = 0;       // [L] DeepEP semantics: non-expand inclusive aligned psum; expand start + count
+  int total = 0;
+};
+
+constexpr CountsLayout counts_layout(int num_ranks, int num_local_experts) {
+  CountsLayout layout;
+  int offset = 0;
+  layout.recv_per_source = offset;
+  offset += num_ranks;
+  layout.psum_per_source = offset;
+  offset += num_ranks;
+  layout.expert_offsets = offset;
+  offset += num_ranks * num_local_experts;
+  layout.unaligned_per_expert = offset;
+  offset += num_local_experts;
+  layout.expert_start = offset;
+  offset += num_local_experts;
+  layout.psum_per_expert = offset;
+  offset += num_local_experts;
+  layout.total = offset;
+  return layout;
+}
+
+// Notify scratch: per block of 32 tokens one row of [E experts | R ranks] counts (turned into
+// exclusive bases in place), plus one row of totals.
+constexpr int kNotifyTokensPerBlock = 32;
+constexpr int64_t notify_scratch_ints(int64_t num_tokens, int num_experts, int num_ranks) {
+  return ((num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock + 1) * (num_experts + num_ranks);
+}
+
+// The direct-mode layout of one call shape (every rank passes the same shape): every rank is one
+// scale-up peer, whatever node emulation the buffer was built with.
+inline HighThroughputLayout direct_layout(int num_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_topk,
+                                          bool use_fp8) {
+  return high_throughput_layout(Topology{num_ranks, num_ranks}, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
+}
+
+struct NotifyArgs {
+  DeviceView view;
+  const int64_t* topk_idx = nullptr;  // [T, K]
+  int num_tokens = 0;
+  int num_topk = 0;
+  int num_experts = 0;
+  int expert_alignment = 1;
+  bool do_expand = false;
+  int32_t* expert_slot = nullptr;      // out [T, K]: ordinal of t among this rank's tokens of that expert, -1 if none
+  int32_t* dst_slot = nullptr;         // out [T, K]: slot at the expert's rank on the first k of that rank, else -1
+  int32_t* scratch = nullptr;          // notify_scratch_ints(T, E, R)
+  int32_t* counts = nullptr;           // out: counts_layout(R, L)
+  int32_t* mapped_counters = nullptr;  // device pointer of the host-mapped counters; nullptr: no CPU sync
+  int num_sms = 1;
+};
+
+struct DispatchArgs {
+  DeviceView view;
+  int64_t ht_offset = 0;
+  int64_t num_max_tokens_per_rank = 0;
+  int hidden = 0;
+  bool use_fp8 = false;
+  int num_topk = 0;
+  int num_experts = 0;
+  int num_tokens = 0;
+  const void* x = nullptr;               // [T, H] bf16 or fp8
+  const float* x_scales = nullptr;       // [T, H/128] (fp8 only)
+  const int64_t* topk_idx = nullptr;     // [T, K]
+  const float* topk_weights = nullptr;   // [T, K] or nullptr
+  const int32_t* dst_slot = nullptr;     // from notify
+  const int32_t* expert_slot = nullptr;  // from notify
+  bool entry_barrier = false;            // cached dispatch: no notify ran before, so barrier here
+  int num_sms = 1;
+};
+
+struct EpilogueArgs {
+  DeviceView view;
+  int64_t ht_offset = 0;
+  int64_t num_max_tokens_per_rank = 0;
+  int hidden = 0;
+  bool use_fp8 = false;
+  int num_topk = 0;
+  int num_experts = 0;
+  bool do_expand = false;
+  int expert_alignment = 1;
+  bool has_weights = false;             // senders wrote weights into the slots
+  const int32_t* counts = nullptr;      // counts_layout(R, L)
+  int64_t num_rows_allocated = 0;       // rows of recv_x (N or N' capacity); writes beyond are skipped
+  int64_t num_meta_rows_allocated = 0;  // rows of recv_src_metadata / recv_expanded_rows
+  void* recv_x = nullptr;
+  float* recv_x_scales = nullptr;
+  int64_t* recv_topk_idx = nullptr;       // non-expand [N, K] local ids
+  float* recv_topk_weights = nullptr;     // non-expand [N, K]; expand [N']
+  int32_t* recv_src_metadata = nullptr;   // [N, 3]; nullptr in cached mode (already in the handle)
+  int32_t* recv_expanded_rows = nullptr;  // expand [N, K]; nullptr in cached mode
+  int num_ctas = 1;
+};
+
+struct CombineArgs {
+  DeviceView view;
+  int64_t ht_offset = 0;
+  int64_t num_max_tokens_per_rank = 0;
+  int hidden = 0;
+  int num_topk = 0;
+  bool do_expand = false;
+  const void* x = nullptr;                      // bf16 [N or N', H]
+  const float* topk_weights = nullptr;          // [N, K] or expand [N']; nullptr: no weights
+  const int32_t* counts = nullptr;              // the handle's counts_layout(R, L)
+  const int32_t* recv_src_metadata = nullptr;   // [N, 3]
+  const int32_t* recv_expanded_rows = nullptr;  // expand [N, K]
+  int num_sms = 1;
+};
+
+struct ReduceArgs {
+  DeviceView view;
+  int64_t ht_offset = 0;
+  int64_t num_max_tokens_per_rank = 0;
+  int hidden = 0;
+  int num_topk = 0;
+  int num_experts = 0;
+  int num_tokens = 0;
+  const int64_t* topk_idx = nullptr;  // the handle's copy [T, K]
+  const void* bias0 = nullptr;        // bf16 [T, H] or nullptr
+  const void* bias1 = nullptr;
+  void* combined_x = nullptr;              // bf16 [T, H]
+  float* combined_topk_weights = nullptr;  // [T, K] or nullptr
+  int num_ctas = 1;
+};
+
+void launch_notify(const NotifyArgs& args, cudaStream_t stream);
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream);
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
+void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream);
+
+}  // namespace deep_ep::ht

@@ -1,0 +1,99 @@
+// HT combine reduce epilogue (home rank, local memory only): for each own token,
+//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += row j for j = 0 .. distinct ranks - 1;
+//   out = bf16(acc), rounded once.
+// Row j came from the token's j-th destination rank in ascending order, so the sum order, and
+// hence every bit of the result, is fixed whatever the arrival order. The home rank derives j from
+// its own copy of topk_idx exactly as the senders did.
+#include <stdexcept>
+#include <string>
+
+#include "kernels/high_throughput.hpp"
+#include "kernels/ht_common.cuh"
+#include "runtime/cuda_check.hpp"
+
+namespace deep_ep::ht {
+namespace {
+
+constexpr int kReduceThreads = 512;
+constexpr int kReduceWarps = kReduceThreads / 32;
+constexpr int kSumUnroll = 2;
+
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs args) {
+  const DeviceView& view = args.view;
+  const int lane = lane_id();
+  const int num_topk = args.num_topk;
+  const int num_local = args.num_experts / view.num_ranks;
+  const TokenLayout token = combine_token_layout(args.hidden, num_topk);
+  const int64_t num_vectors = int64_t{args.hidden} / kBf16PerVector;
+  const int64_t area_stride = args.num_max_tokens_per_rank * token.bytes;  // bytes between rows j and j + 1
+  const uint8_t* area = view.local<uint8_t>(args.ht_offset);
+  const auto* bias0 = static_cast<const int4*>(args.bias0);
+  const auto* bias1 = static_cast<const int4*>(args.bias1);
+  auto* out = static_cast<int4*>(args.combined_x);
+
+  const int first_warp = static_cast<int>(blockIdx.x * kReduceWarps + threadIdx.x / 32);
+  for (int t = first_warp; t < args.num_tokens; t += gridDim.x * kReduceWarps) {
+    const int expert =
+        lane < num_topk ? sanitized_expert(args.topk_idx, int64_t{t} * num_topk + lane, args.num_experts) : -1;
+    const int expert_rank = expert >= 0 ? expert / num_local : -1;
+    const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
+    const int num_terms = __popc(first_lanes);
+    const uint8_t* token_rows = area + int64_t{t} * token.bytes;
+
+    for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
+      float acc[kSumUnroll][kBf16PerVector];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+#pragma unroll
+        for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
+        if (index >= num_vectors) continue;
+        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + t * num_vectors + index));
+        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + t * num_vectors + index));
+      }
+      for (int term = 0; term < num_terms; ++term) {
+        const auto* row = reinterpret_cast<const int4*>(token_rows + term * area_stride);
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t index = base + u * 32 + lane;
+          if (index < num_vectors) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(row + index));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+        if (index < num_vectors) out[t * num_vectors + index] = round_to_bf16x8(acc[u]);
+      }
+    }
+
+    if (args.combined_topk_weights != nullptr) {
+      // Weight k comes from the row sent by the rank owning expert k.
+      const int term = distinct_ranks_below(expert_rank, first_lanes, expert_rank);
+      if (lane < num_topk) {
+        float weight = 0.0f;
+        if (expert >= 0) {
+          weight = __ldg(reinterpret_cast<const float*>(token_rows + term * area_stride + token.weights_offset) + lane);
+        }
+        args.combined_topk_weights[int64_t{t} * num_topk + lane] = weight;
+      }
+    }
+  }
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
+  require(args.num_ctas >= 1, "num_ctas must be >= 1, got " + std::to_string(args.num_ctas));
+  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  require(args.hidden % kBf16PerVector == 0,
+          "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(args.hidden));
+  reduce_kernel<<<args.num_ctas, kReduceThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht combine reduce_kernel");
+}
+
+}  // namespace deep_ep::ht

@@ -1,0 +1,158 @@
+// HT dispatch copy epilogue (receiver, local memory only): receive slots -> output tensors.
+//
+// Non-expand row i comes from source s = the first source whose inclusive psum exceeds i, slot
+// j = i - psum[s-1]: rows are (source, token) ordered because slots are. Expand: the row of
+// (token, local expert l) is expert_start[l] + expert_offsets[s][l] + expert_slot, i.e. expert
+// groups in expert order, inside a group (source, token) order; padding rows up to the alignment
+// are zeroed. Counts are always read from the device, so the same kernel serves exact (CPU sync)
+// and worst-case (no sync, cached) allocations.
+#include <stdexcept>
+#include <string>
+
+#include "kernels/high_throughput.hpp"
+#include "kernels/ht_common.cuh"
+#include "runtime/cuda_check.hpp"
+
+namespace deep_ep::ht {
+namespace {
+
+constexpr int kEpilogueThreads = 512;
+constexpr int kEpilogueWarps = kEpilogueThreads / 32;
+constexpr int kCopyUnroll = 4;
+
+__device__ __forceinline__ int source_of_row(const int32_t* psum_per_source, int num_ranks, int64_t row) {
+  int low = 0;
+  int high = num_ranks - 1;
+  while (low < high) {
+    const int middle = (low + high) / 2;
+    if (psum_per_source[middle] > row) {
+      high = middle;
+    } else {
+      low = middle + 1;
+    }
+  }
+  return low;
+}
+
+__device__ void zero_row(const EpilogueArgs& args, int64_t row, int64_t row_bytes, int num_scales) {
+  const int lane = lane_id();
+  int4* payload = reinterpret_cast<int4*>(static_cast<uint8_t*>(args.recv_x) + row * row_bytes);
+  for (int64_t index = lane; index < row_bytes / kVectorBytes; index += 32) payload[index] = make_int4(0, 0, 0, 0);
+  for (int index = lane; index < num_scales; index += 32) args.recv_x_scales[row * num_scales + index] = 0.0f;
+  if (lane == 0 && args.recv_topk_weights != nullptr) args.recv_topk_weights[row] = 0.0f;
+}
+
+__global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const EpilogueArgs args) {
+  __shared__ int32_t psum_shared[kMaxRanks];
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  const int num_topk = args.num_topk;
+  const int num_local = args.num_experts / num_ranks;
+  const int first_local_expert = view.rank * num_local;
+  const CountsLayout counts = counts_layout(num_ranks, num_local);
+  for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+    psum_shared[source] = args.counts[counts.psum_per_source + source];
+  }
+  __syncthreads();
+
+  const int lane = lane_id();
+  const TokenLayout token = dispatch_token_layout(args.hidden, args.use_fp8, num_topk);
+  const int64_t row_bytes = int64_t{args.hidden} * (args.use_fp8 ? 1 : 2);
+  const int64_t num_vectors = row_bytes / kVectorBytes;
+  const int num_scales = args.use_fp8 ? args.hidden / kFp8GroupSize : 0;
+  const int64_t num_rows = psum_shared[num_ranks - 1];
+  const int64_t first_warp = int64_t{blockIdx.x} * kEpilogueWarps + threadIdx.x / 32;
+  const int64_t num_warps = int64_t{gridDim.x} * kEpilogueWarps;
+  auto* recv_x = static_cast<uint8_t*>(args.recv_x);
+
+  for (int64_t row = first_warp; row < num_rows; row += num_warps) {
+    const int source = source_of_row(psum_shared, num_ranks, row);
+    const int64_t slot_index = row - (source > 0 ? psum_shared[source - 1] : 0);
+    const uint8_t* slot = view.local<uint8_t>(
+        args.ht_offset + (int64_t{source} * args.num_max_tokens_per_rank + slot_index) * token.bytes);
+    int expert = -1;
+    int32_t expert_slot = -1;
+    float weight = 0.0f;
+    if (lane < num_topk) {
+      expert = __ldg(reinterpret_cast<const int32_t*>(slot + token.topk_idx_offset) + lane);
+      expert_slot = __ldg(reinterpret_cast<const int32_t*>(slot + token.expert_slot_offset) + lane);
+      if (args.has_weights) weight = __ldg(reinterpret_cast<const float*>(slot + token.weights_offset) + lane);
+    }
+    const int local =
+        (expert >= first_local_expert && expert < first_local_expert + num_local) ? expert - first_local_expert : -1;
+    const int expert_rank = expert >= 0 ? expert / num_local : -1;
+    // Combine sends this row back to row j of the source's combine area: j = how many of the
+    // token's distinct destination ranks are below this rank.
+    const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
+    const int combine_row = distinct_ranks_below(expert_rank, first_lanes, view.rank);
+    const bool has_meta_row = row < args.num_meta_rows_allocated;
+
+    if (!args.do_expand) {
+      if (row < args.num_rows_allocated) {
+        warp_copy_to_lanes<kCopyUnroll>(reinterpret_cast<const int4*>(slot), num_vectors, 1u,
+                                        reinterpret_cast<int4*>(recv_x + row * row_bytes));
+        if (num_scales > 0) {
+          warp_copy_words_to_lanes(reinterpret_cast<const float*>(slot + token.scale_offset), num_scales, 1u,
+                                   args.recv_x_scales + row * num_scales);
+        }
+        if (lane < num_topk) {
+          args.recv_topk_idx[row * num_topk + lane] = local;
+          if (args.recv_topk_weights != nullptr) args.recv_topk_weights[row * num_topk + lane] = weight;
+        }
+      }
+    } else {
+      int64_t position = -1;
+      if (local >= 0) {
+        position = int64_t{args.counts[counts.expert_start + local]} +
+                   args.counts[counts.expert_offsets + source * num_local + local] + expert_slot;
+      }
+      const bool writes = position >= 0 && position < args.num_rows_allocated;
+      const uint32_t dst_lanes = __ballot_sync(kFullMask, writes);
+      warp_copy_to_lanes<kCopyUnroll>(reinterpret_cast<const int4*>(slot), num_vectors, dst_lanes,
+                                      writes ? reinterpret_cast<int4*>(recv_x + position * row_bytes) : nullptr);
+      if (num_scales > 0) {
+        warp_copy_words_to_lanes(reinterpret_cast<const float*>(slot + token.scale_offset), num_scales, dst_lanes,
+                                 writes ? args.recv_x_scales + position * num_scales : nullptr);
+      }
+      if (writes && args.recv_topk_weights != nullptr) args.recv_topk_weights[position] = weight;
+      if (args.recv_expanded_rows != nullptr && has_meta_row && lane < num_topk) {
+        args.recv_expanded_rows[row * num_topk + lane] = writes ? static_cast<int32_t>(position) : -1;
+      }
+    }
+    if (args.recv_src_metadata != nullptr && has_meta_row && lane == 0) {
+      int32_t* meta = args.recv_src_metadata + row * kSrcMetadataColumns;
+      meta[0] = source;
+      meta[1] = __ldg(reinterpret_cast<const int32_t*>(slot + token.src_offset));
+      meta[2] = combine_row;
+    }
+  }
+
+  if (!args.do_expand || args.expert_alignment <= 1) return;
+  // Padding rows: at most alignment - 1 per expert; one warp per candidate row.
+  const int64_t pads_per_expert = args.expert_alignment - 1;
+  for (int64_t item = first_warp; item < num_local * pads_per_expert; item += num_warps) {
+    const int local = static_cast<int>(item / pads_per_expert);
+    const int64_t pad = item % pads_per_expert;
+    const int64_t count = args.counts[counts.unaligned_per_expert + local];
+    if (pad >= align_up(count, args.expert_alignment) - count) continue;
+    const int64_t row = args.counts[counts.expert_start + local] + count + pad;
+    if (row < args.num_rows_allocated) zero_row(args, row, row_bytes, num_scales);
+  }
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
+  require(args.num_ctas >= 1, "num_ctas must be >= 1, got " + std::to_string(args.num_ctas));
+  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
+  epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
+}
+
+}  // namespace deep_ep::ht

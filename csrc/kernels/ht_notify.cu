@@ -1,0 +1,285 @@
+// HT notify (uncached dispatch): slots by prefix, then the count exchange.
+//
+// 1. Per block of 32 tokens (one warp), shared-memory bitmaps give every (token, expert) and every
+//    (token, destination rank) its ordinal inside the block and the block's counts.
+// 2. Per column (expert or rank), an exclusive scan over blocks turns counts into block bases; the
+//    last row of the scratch holds this rank's totals.
+// 3. Bases are added to the in-block ordinals: expert_slot / dst_slot are then ranks among this
+//    rank's tokens in token order (no atomics, so the receive order is (source, token)).
+// CTA 0 meanwhile passes the entry barrier and exchanges counts through the workspace cells
+// ("count + 1", 0 = not arrived), resets the cells it consumed, and writes the handle's counts and,
+// for a CPU sync, the host-mapped counters with the ready cell last.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/barrier.cuh"
+#include "kernels/high_throughput.hpp"
+#include "kernels/ht_common.cuh"
+#include "kernels/routing.cuh"
+#include "runtime/cuda_check.hpp"
+
+namespace deep_ep::ht {
+namespace {
+
+constexpr int kNotifyThreads = 256;
+constexpr int kNotifyWarps = kNotifyThreads / 32;
+static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
+
+// Phase 1 needs one bitmap word per (warp, column); the exchange needs [R] + [E] + 2 x [L] ints.
+size_t notify_smem_bytes(int num_experts, int num_ranks) {
+  const int64_t num_local = num_experts / num_ranks;
+  const int64_t bitmaps = int64_t{kNotifyWarps} * (num_experts + num_ranks);
+  const int64_t exchange = num_ranks + num_experts + 2 * num_local;
+  return sizeof(int32_t) * static_cast<size_t>(std::max(bitmaps, exchange));
+}
+
+__device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blocks, int num_columns) {
+  const int lane = lane_id();
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int num_experts = args.num_experts;
+  const int num_local = num_experts / args.view.num_ranks;
+  const int num_topk = args.num_topk;
+  uint32_t* expert_bits = smem + warp * num_columns;  // bit = lane (token) of the block
+  uint32_t* rank_bits = expert_bits + num_experts;
+  const uint32_t my_bit = 1u << lane;
+  const uint32_t lower_lanes = my_bit - 1u;
+  for (int block = blockIdx.x * kNotifyWarps + warp; block < num_blocks; block += gridDim.x * kNotifyWarps) {
+    for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
+    __syncwarp();
+    const int token = block * kNotifyTokensPerBlock + lane;
+    const bool has_token = token < args.num_tokens;
+    uint32_t first_of_rank = 0;  // bit k: entry k is the token's first on its rank
+    if (has_token) {
+      for (int k = 0; k < num_topk; ++k) {
+        const int expert =
+            read_expert_id(args.view, Operation::kHtNotify, args.topk_idx, num_topk, token, k, num_experts);
+        if (expert < 0) continue;
+        atomicOr(&expert_bits[expert], my_bit);
+        // Only this lane sets its bit, so the old value says whether an earlier k hit this rank.
+        if ((atomicOr(&rank_bits[expert / num_local], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
+      }
+    }
+    __syncwarp();
+    int32_t* block_row = args.scratch + int64_t{block} * num_columns;
+    for (int column = lane; column < num_columns; column += 32) block_row[column] = __popc(expert_bits[column]);
+    if (has_token) {
+      for (int k = 0; k < num_topk; ++k) {
+        const int64_t entry = int64_t{token} * num_topk + k;
+        const int expert = sanitized_expert(args.topk_idx, entry, num_experts);
+        args.expert_slot[entry] = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
+        args.dst_slot[entry] =
+            ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[expert / num_local] & lower_lanes) : -1;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Exclusive scan over blocks, in place, one column per warp; totals go to row num_blocks.
+__device__ void scan_columns(const NotifyArgs& args, int num_blocks, int num_columns) {
+  const int lane = lane_id();
+  const int warp = static_cast<int>(blockIdx.x * kNotifyWarps + threadIdx.x / 32);
+  for (int column = warp; column < num_columns; column += gridDim.x * kNotifyWarps) {
+    int running = 0;
+    for (int first = 0; first < num_blocks; first += 32) {
+      const int block = first + lane;
+      int32_t* cell = args.scratch + int64_t{block} * num_columns + column;
+      // Written by other CTAs before the grid sync: read through L2.
+      const int value = block < num_blocks ? __ldcg(cell) : 0;
+      const int inclusive = warp_inclusive_sum(value);
+      if (block < num_blocks) *cell = running + inclusive - value;
+      running += __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (lane == 0) args.scratch[int64_t{num_blocks} * num_columns + column] = running;
+  }
+}
+
+__device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t first_thread, int64_t num_threads) {
+  const int num_experts = args.num_experts;
+  const int num_local = num_experts / args.view.num_ranks;
+  const int64_t num_entries = int64_t{args.num_tokens} * args.num_topk;
+  for (int64_t entry = first_thread; entry < num_entries; entry += num_threads) {
+    const int expert = sanitized_expert(args.topk_idx, entry, num_experts);
+    if (expert < 0) continue;
+    const int64_t block = entry / args.num_topk / kNotifyTokensPerBlock;
+    const int32_t* bases = args.scratch + block * num_columns;
+    args.expert_slot[entry] = __ldcg(args.expert_slot + entry) + __ldcg(bases + expert);
+    const int32_t slot = __ldcg(args.dst_slot + entry);
+    if (slot >= 0) args.dst_slot[entry] = slot + __ldcg(bases + num_experts + expert / num_local);
+  }
+}
+
+// CTA 0. Returns false on a timeout (recorded; the host sees it).
+__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int32_t* recv_per_source,
+                                int32_t* per_source_expert) {
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  const int num_experts = args.num_experts;
+  const int num_local = num_experts / num_ranks;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  // No peer may still read its receive area or its count cells from the previous operation.
+  if (!rank_barrier(view, Operation::kHtNotify)) return false;
+
+  // Expert counts first; the rank count, released after them, announces that all of them landed.
+  for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
+    const int dest = expert / num_local;
+    const int64_t cell =
+        WorkspaceLayout::expert_counts_offset + 4 * (int64_t{view.rank} * num_local + expert % num_local);
+    ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), __ldcg(totals + expert) + 1);
+  }
+  ptx::fence_acq_rel_sys();
+  __syncthreads();
+  for (int dest = threadIdx.x; dest < num_ranks; dest += blockDim.x) {
+    ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
+                        __ldcg(totals + num_experts + dest) + 1);
+  }
+
+  for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+    int32_t* cell = view.local<int32_t>(WorkspaceLayout::rank_counts_offset + 4 * int64_t{source});
+    int32_t value = 0;
+    const bool arrived = wait_until(view, Operation::kHtNotify, Phase::kCountsArrive, source, 1, [&](int64_t& seen) {
+      value = ptx::ld_acquire_sys(cell);
+      seen = value;
+      return value != 0;
+    });
+    if (!arrived) {
+      failed = 1;
+      continue;
+    }
+    recv_per_source[source] = value - 1;
+    // Back to zero (workspace invariant); the source writes it again only after the next barrier.
+    ptx::st_relaxed_sys(cell, 0);
+  }
+  __syncthreads();
+  if (failed != 0) return false;
+  // Every source's expert cells were released before its rank cell, which some thread of this
+  // CTA acquired before the __syncthreads above.
+  for (int index = threadIdx.x; index < num_experts; index += blockDim.x) {
+    int32_t* cell = view.local<int32_t>(WorkspaceLayout::expert_counts_offset + 4 * int64_t{index});
+    per_source_expert[index] = ptx::ld_relaxed_sys(cell) - 1;
+    ptx::st_relaxed_sys(cell, 0);
+  }
+  __syncthreads();
+  return true;
+}
+
+// CTA 0, after the exchange: the handle's counts and the host-mapped copy.
+__device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_source, const int32_t* per_source_expert,
+                             int32_t* unaligned, int32_t* aligned) {
+  const int num_ranks = args.view.num_ranks;
+  const int num_local = args.num_experts / num_ranks;
+  const int alignment = args.expert_alignment;
+  const CountsLayout layout = counts_layout(num_ranks, num_local);
+  int32_t* counts = args.counts;
+  int32_t* mapped = args.mapped_counters;
+  const int lane = lane_id();
+  const int warp = static_cast<int>(threadIdx.x / 32);
+
+  for (int local = threadIdx.x; local < num_local; local += blockDim.x) {
+    int running = 0;
+    for (int source = 0; source < num_ranks; ++source) {
+      counts[layout.expert_offsets + source * num_local + local] = running;
+      running += per_source_expert[source * num_local + local];
+    }
+    counts[layout.unaligned_per_expert + local] = running;
+    unaligned[local] = running;
+    aligned[local] = static_cast<int32_t>(align_up(running, alignment));
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int running = 0;
+    for (int first = 0; first < num_ranks; first += 32) {
+      const int source = first + lane;
+      const int value = source < num_ranks ? recv_per_source[source] : 0;
+      const int inclusive = running + warp_inclusive_sum(value);
+      if (source < num_ranks) {
+        counts[layout.recv_per_source + source] = value;
+        counts[layout.psum_per_source + source] = inclusive;
+      }
+      running = __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (mapped != nullptr && lane == 0) mapped[kMappedNumRecvTokens] = running;
+  } else if (warp == 1) {
+    int running = 0;
+    for (int first = 0; first < num_local; first += 32) {
+      const int local = first + lane;
+      const int value = local < num_local ? aligned[local] : 0;
+      const int inclusive = running + warp_inclusive_sum(value);
+      if (local < num_local) {
+        const int start = inclusive - value;
+        counts[layout.expert_start + local] = start;
+        // DeepEP's meaning: expand rows of expert l are [start, psum[l]); non-expand, the aligned psum.
+        counts[layout.psum_per_expert + local] = args.do_expand ? start + unaligned[local] : inclusive;
+      }
+      running = __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (mapped != nullptr && lane == 0) mapped[kMappedNumExpandedTokens] = running;
+  }
+  if (mapped == nullptr) return;
+  for (int local = threadIdx.x; local < num_local; local += blockDim.x) {
+    mapped[kMappedAlignedExpertCounts + local] = aligned[local];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::fence_acq_rel_sys();
+    ptx::st_release_sys(mapped + kMappedReady, 1);
+  }
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyArgs args) {
+  extern __shared__ int32_t smem[];
+  const int num_experts = args.num_experts;
+  const int num_ranks = args.view.num_ranks;
+  const int num_columns = num_experts + num_ranks;
+  const int num_blocks = (args.num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+
+  count_blocks(args, reinterpret_cast<uint32_t*>(smem), num_blocks, num_columns);
+  if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
+  scan_columns(args, num_blocks, num_columns);
+  if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
+
+  if (blockIdx.x == 0) {
+    const int num_local = num_experts / num_ranks;
+    int32_t* recv_per_source = smem;
+    int32_t* per_source_expert = recv_per_source + num_ranks;
+    int32_t* unaligned = per_source_expert + num_experts;
+    int32_t* aligned = unaligned + num_local;
+    const int32_t* totals = args.scratch + int64_t{num_blocks} * num_columns;
+    if (exchange_counts(args, totals, recv_per_source, per_source_expert)) {
+      write_counts(args, recv_per_source, per_source_expert, unaligned, aligned);
+    }
+    if (gridDim.x > 1) return;
+  }
+  // CTA 0 is busy with the exchange when there are others.
+  const int64_t helpers = gridDim.x > 1 ? gridDim.x - 1 : 1;
+  const int64_t helper = gridDim.x > 1 ? blockIdx.x - 1 : 0;
+  add_block_bases(args, num_columns, helper * blockDim.x + threadIdx.x, helpers * blockDim.x);
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
+  const int num_ranks = args.view.num_ranks;
+  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+  require(args.num_experts >= 1 && args.num_experts <= kMaxExperts && args.num_experts % num_ranks == 0,
+          "num_experts must be a multiple of num_ranks (" + std::to_string(num_ranks) + ") in [1, " +
+              std::to_string(kMaxExperts) + "], got " + std::to_string(args.num_experts));
+  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
+  require(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
+          "too many local experts for the host-mapped counters");
+  const size_t smem = notify_smem_bytes(args.num_experts, num_ranks);
+  EP_CUDA_CHECK(
+      cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  notify_kernel<<<args.num_sms, kNotifyThreads, smem, stream>>>(args);
+  EP_CHECK_LAUNCH("ht notify_kernel");
+}
+
+}  // namespace deep_ep::ht

@@ -1,0 +1,251 @@
+// Low-latency combine: every expert output row goes back to the rank of its token, into that rank's
+// combine payload slot [token][top-k slot]; the receiver then sums the K slots of each token with
+// its weights in fp32, k ascending, one bf16 rounding.
+//
+// Send phase. Work unit = (local expert l, source rank s), CTA-strided in rounds: the n(l, s) rows
+// the dispatch put at [l][s * T_ll, + n) carry headers {token, top-k slot} (read from this rank's
+// dispatch area), so each row is copied straight to rank s at [token][slot]. When the whole CTA is
+// done with a round, one thread per unit publishes n + 1 into rank s's arrival cell [l][me]
+// (system-scope release): the receiver has every row once all L * R cells are set.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/fp8.cuh"
+#include "kernels/low_latency.hpp"
+#include "kernels/ptx.cuh"
+#include "kernels/routing.cuh"
+#include "kernels/timeout.cuh"
+
+namespace deep_ep {
+namespace {
+
+constexpr int kSendWarps = kLowLatencySendThreads / 32;
+constexpr int kRecvWarps = kLowLatencyRecvThreads / 32;
+constexpr int kUnitsPerRound = 32;  // (local expert, source) units a send CTA handles together
+constexpr int kCopyUnroll = 16;     // 16-byte vectors in flight per lane (send)
+constexpr int kReduceUnroll = 2;    // vectors per lane reduced together (receive)
+constexpr int kSlotsInFlight = 4;   // top-k slots loaded before they are summed (receive)
+
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
+  __shared__ int unit_counts[kUnitsPerRound];
+  const DeviceView& view = args.view;
+  const LowLatencyLayout& layout = args.layout;
+  const int num_ranks = view.num_ranks;
+  const int num_vectors = args.hidden / 8;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+
+  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlCombine)) return;
+
+  const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
+  const auto* rows = static_cast<const int4*>(args.x);
+  const int num_units = layout.num_local_experts * num_ranks;
+  // Round r of CTA c takes units r * gridDim * kUnitsPerRound + j * gridDim + c (j < kUnitsPerRound),
+  // unit = l * R + s: source-fastest, so neighbouring CTAs write to different ranks. A unit has few
+  // rows (about T * K / E), so the rows of a whole round are spread over the warps together.
+  for (int round_base = 0; round_base < num_units; round_base += gridDim.x * kUnitsPerRound) {
+    const auto unit_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      // Clamped so that a corrupted count can never address past the slots.
+      unit_counts[threadIdx.x] =
+          unit < num_units ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens)) : 0;
+    }
+    __syncthreads();
+
+    int rows_before = 0;
+    for (int j = 0; j < kUnitsPerRound; ++j) {
+      const int unit = unit_of(j);
+      if (unit >= num_units) break;
+      const int count = unit_counts[j];
+      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // rows [l][s][0, count)
+      int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
+      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+        const int64_t row = first_row + i;
+        const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
+        const int token = header.x;
+        const int slot = header.y;
+        if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+        int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
+        low_latency::warp_copy_row<kCopyUnroll>(dst, rows + row * num_vectors, num_vectors, lane);
+      }
+      rows_before += count;
+    }
+    __syncthreads();
+
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      if (unit < num_units) {
+        // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
+        ptx::fence_acq_rel_sys();
+        ptx::st_release_sys(
+            low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
+            unit_counts[threadIdx.x] + 1);
+      }
+    }
+    __syncthreads();  // unit_counts is rewritten by the next round
+  }
+}
+
+__device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
+  int4 packed;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return packed;
+}
+
+// Every CTA waits for all L * R arrival cells (a token may have rows from any of them); the last
+// CTA past its wait resets the cells. Then the warps reduce the K slots of each token.
+__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {
+  __shared__ int failed;
+  __shared__ int is_last;
+  const DeviceView& view = args.view;
+  const LowLatencyLayout& layout = args.layout;
+  const int num_ranks = view.num_ranks;
+  const int num_cells = layout.num_local_experts * num_ranks;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+    const int source = cell_index % num_ranks;
+    const int32_t* cell =
+        low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+    const bool arrived = wait_until(view, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
+      seen = ptx::ld_acquire_sys(cell);
+      return seen != 0;
+    });
+    if (!arrived) atomicExch(&failed, 1);
+  }
+  __syncthreads();
+  if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
+
+  if (threadIdx.x == 0) {
+    int32_t* arrivals =
+        view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencyScratchIndex + args.parity} * 4);
+    is_last = ptx::atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int32_t>(gridDim.x) - 1;
+    if (is_last) *arrivals = 0;  // workspace invariant: scratch is zero between kernels
+  }
+  __syncthreads();
+  if (is_last) {
+    // Every CTA has seen every cell; the senders write them again only after this rank's next
+    // operation on the parity has started (after this kernel).
+    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+      ptx::st_relaxed_sys(low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks,
+                                                    cell_index % num_ranks),
+                          0);
+    }
+    if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
+  }
+
+  // Work item = (token, chunk of 32 * kReduceUnroll vectors), one per warp: enough items to keep
+  // every CTA busy even for a handful of tokens.
+  const int num_vectors = args.hidden / 8;
+  const int chunk_vectors = 32 * kReduceUnroll;
+  const int chunks_per_token = (num_vectors + chunk_vectors - 1) / chunk_vectors;
+  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
+  const auto* payload = view.local<const int4>(args.area_offset + layout.combine_payload_offset);
+  auto* out = static_cast<int4*>(args.out);
+  for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
+       item += int64_t{gridDim.x} * kRecvWarps) {
+    const int token = static_cast<int>(item / chunks_per_token);
+    const int first = static_cast<int>(item % chunks_per_token) * chunk_vectors + lane;
+    int expert = -1;
+    float weight = 0.0f;
+    if (lane < args.num_topk) {
+      expert = read_expert_id(view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
+      weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
+    }
+    const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
+    const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
+    float acc[kReduceUnroll][8] = {};
+    for (int first_slot = 0; first_slot < args.num_topk; first_slot += kSlotsInFlight) {
+      // All loads of kSlotsInFlight slots are issued before any is used.
+      int4 packed[kSlotsInFlight][kReduceUnroll];
+#pragma unroll
+      for (int j = 0; j < kSlotsInFlight; ++j) {
+        const int k = first_slot + j;
+        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (first + u * 32 < num_vectors) packed[j][u] = __ldcg(slots + int64_t{k} * num_vectors + u * 32);
+        }
+      }
+      // k ascending, product rounded to fp32 then added: the reference's arithmetic (no FMA).
+#pragma unroll
+      for (int j = 0; j < kSlotsInFlight; ++j) {
+        const int k = first_slot + j;
+        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+        const float w = __shfl_sync(0xffffffffu, weight, k);
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (first + u * 32 >= num_vectors) continue;
+          const fp8::Channels8 y = fp8::widen_bf16x8(packed[j][u]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(w, y.value[i]));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
+    }
+  }
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(kernel) + " launch failed: " + cudaGetErrorString(status));
+  }
+}
+
+void check_args(const LowLatencyCombineArgs& args) {
+  const LowLatencyLayout& layout = args.layout;
+  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
+  require(args.num_experts == layout.num_local_experts * args.view.num_ranks,
+          "num_experts must be " + std::to_string(layout.num_local_experts * args.view.num_ranks) +
+              " (the buffer's), got " + std::to_string(args.num_experts));
+  require(args.num_tokens >= 0 && args.num_tokens <= layout.num_max_tokens,
+          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
+              "], got " + std::to_string(args.num_tokens));
+  require(args.num_topk >= 1 && args.num_topk <= layout.num_topk && args.num_topk <= 32,
+          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
+              std::to_string(args.num_topk));
+  require(args.hidden > 0 && args.hidden % 8 == 0,
+          "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
+  require(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));
+  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+}
+
+}  // namespace
+
+void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream) {
+  check_args(args);
+  const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts * args.view.num_ranks);
+  combine_send_kernel<<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  check_launch("low_latency_combine_send");
+}
+
+void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream) {
+  check_args(args);
+  const int chunks_per_token = (args.hidden / 8 + 32 * kReduceUnroll - 1) / (32 * kReduceUnroll);
+  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
+  const int busy_blocks = static_cast<int>(std::max<int64_t>(1, (num_items + kRecvWarps - 1) / kRecvWarps));
+  const int grid = std::clamp(args.num_sms, 1, busy_blocks);
+  combine_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
+  check_launch("low_latency_combine_recv");
+}
+
+}  // namespace deep_ep

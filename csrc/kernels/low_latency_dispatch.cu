@@ -1,0 +1,277 @@
+// Low-latency dispatch: every (token, selected expert) message goes straight into the receiver's
+// slot for (that expert, this rank); the receive slots *are* recv_x [L, R * T_ll, H], so the
+// receive phase only waits for the counts.
+//
+// Send phase. Each CTA stages this rank's routing in shared memory once, then takes experts in
+// rounds of up to one expert per warp. Per round: each warp lists, in token order, the tokens that
+// selected its expert (slot = ordinal: deterministic, no atomics); all warps then copy the listed
+// rows (bf16, or cast to fp8 on the fly) into the destination's slots with a 16-byte header
+// {source token, top-k slot}; finally one thread per expert publishes count + 1 into the
+// destination's arrival cell [l][me] with a system-scope release covering the whole round.
+// Experts nobody selected still publish (count 0 -> 1), so the receiver waits for every cell.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/fp8.cuh"
+#include "kernels/low_latency.hpp"
+#include "kernels/ptx.cuh"
+#include "kernels/routing.cuh"
+#include "kernels/timeout.cuh"
+
+namespace deep_ep {
+namespace {
+
+constexpr int kSendWarps = kLowLatencySendThreads / 32;
+constexpr int kSlotBits = 5;  // top-k slot in the low bits of a list entry (K <= kMaxTopK = 32)
+static_assert(kMaxTopK <= (1 << kSlotBits), "top-k slot must fit in a list entry");
+constexpr int kBf16Unroll = 16;  // 16-byte vectors in flight per lane
+constexpr int kFp8Unroll = 8;    // 128-channel group pairs in flight per warp
+
+__device__ __forceinline__ void send_bf16_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
+                                              int lane) {
+  const int num_vectors = args.hidden / 8;
+  const auto* src = reinterpret_cast<const int4*>(args.x) + int64_t{token} * num_vectors;
+  int4* dst = args.view.peer<int4>(dest, args.area_offset + args.layout.dispatch_payload_offset) + row * num_vectors;
+  low_latency::warp_copy_row<kBf16Unroll>(dst, src, num_vectors, lane);
+}
+
+// The payload area is sized for bf16; fp8 rows use its first half with row stride H bytes, so the
+// receiver's view is a plain [L, R * T_ll, H] fp8 tensor. Each half-warp owns one 128-channel group
+// (16 lanes x 8 channels); its amax is reduced with shuffles inside the half-warp.
+__device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
+                                             int lane) {
+  const int num_groups = args.hidden / kFp8GroupSize;
+  const auto* src = reinterpret_cast<const int4*>(args.x) + int64_t{token} * (args.hidden / 8);
+  auto* dst = args.view.peer<uint8_t>(dest, args.area_offset + args.layout.dispatch_payload_offset) + row * args.hidden;
+  auto* dst_scales =
+      args.view.peer<float>(dest, args.area_offset + args.layout.dispatch_scales_offset) + row * num_groups;
+  const int half = lane / 16;
+  const int sub = lane % 16;
+  for (int first = 0; first < num_groups; first += 2 * kFp8Unroll) {
+    int4 packed[kFp8Unroll];
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      const int group = first + 2 * u + half;
+      packed[u] = group < num_groups ? ptx::ld_nc_v4(src + group * 16 + sub) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      const int group = first + 2 * u + half;
+      const fp8::Channels8 channels = fp8::widen_bf16x8(packed[u]);
+      float amax = fp8::abs_max(channels);
+#pragma unroll
+      for (int offset = 8; offset >= 1; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      if (group < num_groups) {
+        *reinterpret_cast<uint2*>(dst + group * kFp8GroupSize + sub * 8) =
+            fp8::quantise8(channels, fp8::inverse_scale(amax));
+        if (sub == 0) dst_scales[group] = fp8::scale(amax);
+      }
+    }
+  }
+}
+
+template <bool kUseFp8>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
+    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  __shared__ int list_sizes[kSendWarps];
+  const DeviceView& view = args.view;
+  const LowLatencyLayout& layout = args.layout;
+  const int num_tokens = args.num_tokens;
+  const int num_topk = args.num_topk;
+  const int num_ranks = view.num_ranks;
+  const int num_local = layout.num_local_experts;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  // [T * K] expert ids (validated: an out-of-range id is recorded and becomes -1), then one list
+  // of (token << kSlotBits | slot) per expert of the round.
+  auto* expert_ids = reinterpret_cast<int16_t*>(shared);
+  auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
+
+  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+    expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
+                                                        i / num_topk, i % num_topk, args.num_experts));
+  }
+  // Also the __syncthreads that makes expert_ids visible to the whole CTA.
+  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlDispatch)) return;
+
+  // Round r of CTA c takes experts r * gridDim * batch + j * gridDim + c (j < batch): strided so
+  // that every CTA gets work even when E is not much larger than the grid.
+  const int round_stride = gridDim.x * experts_per_round;
+  for (int round_base = 0; round_base < args.num_experts; round_base += round_stride) {
+    const auto expert_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
+    if (warp < experts_per_round) {
+      const int expert = expert_of(warp);
+      int count = 0;
+      if (expert < args.num_experts) {
+        int32_t* list = lists + warp * num_tokens;
+        int slot = 0;
+        count = warp_enumerate_in_token_order(
+            num_tokens,
+            [&](int token) {
+              for (int k = 0; k < num_topk; ++k) {
+                if (expert_ids[token * num_topk + k] == expert) {
+                  slot = k;
+                  return true;
+                }
+              }
+              return false;
+            },
+            [&](int token, int ordinal) { list[ordinal] = (token << kSlotBits) | slot; });
+      }
+      if (lane == 0) list_sizes[warp] = count;
+    }
+    __syncthreads();
+
+    // Rows of the round go round-robin over all warps, so a hot expert does not serialise on one.
+    int rows_before = 0;
+    for (int j = 0; j < experts_per_round; ++j) {
+      const int expert = expert_of(j);
+      if (expert >= args.num_experts) break;
+      const int count = list_sizes[j];
+      const int dest = expert / num_local;
+      // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
+      const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
+      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+        const int32_t entry = lists[j * num_tokens + i];
+        const int token = entry >> kSlotBits;
+        const int64_t row = first_row + i;
+        if constexpr (kUseFp8) {
+          send_fp8_row(args, dest, row, token, lane);
+        } else {
+          send_bf16_row(args, dest, row, token, lane);
+        }
+        if (lane == 0) {
+          int4* header = view.peer<int4>(dest, args.area_offset + layout.dispatch_headers_offset) + row;
+          ptx::st_na_v4(header, make_int4(token, entry & ((1 << kSlotBits) - 1), 0, 0));
+        }
+      }
+      rows_before += count;
+    }
+    __syncthreads();
+
+    if (static_cast<int>(threadIdx.x) < experts_per_round) {
+      const int expert = expert_of(threadIdx.x);
+      if (expert < args.num_experts) {
+        // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
+        // before the count; the receiver's acquire of the count then covers them.
+        ptx::fence_acq_rel_sys();
+        ptx::st_release_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
+                                                      expert % num_local, view.rank),
+                            list_sizes[threadIdx.x] + 1);
+      }
+    }
+    __syncthreads();  // lists and list_sizes are rewritten by the next round
+  }
+}
+
+// One CTA per local expert (strided): thread s waits for the cell of source s, records the count
+// and resets the cell (the source writes it again only after this rank's next operation on the
+// parity has started, which is after this kernel).
+__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
+  __shared__ int total;
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  for (int local = blockIdx.x; local < args.layout.num_local_experts; local += gridDim.x) {
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+      int32_t* cell = low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local, source);
+      int32_t value = 0;
+      const bool arrived =
+          wait_until(view, Operation::kLlDispatch, Phase::kCountsArrive, source, 1, [&](int64_t& seen) {
+            value = ptx::ld_acquire_sys(cell);
+            seen = value;
+            return value != 0;
+          });
+      const int32_t count = arrived ? value - 1 : 0;
+      args.count_per_source[int64_t{local} * num_ranks + source] = count;
+      atomicAdd(&total, count);
+      ptx::st_relaxed_sys(cell, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) args.recv_count[local] = total;
+    __syncthreads();
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(kernel) + " launch failed: " + cudaGetErrorString(status));
+  }
+}
+
+void check_args(const LowLatencyDispatchArgs& args) {
+  const LowLatencyLayout& layout = args.layout;
+  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
+  require(args.num_experts == layout.num_local_experts * args.view.num_ranks,
+          "num_experts must be " + std::to_string(layout.num_local_experts * args.view.num_ranks) +
+              " (the buffer's), got " + std::to_string(args.num_experts));
+  require(args.num_tokens >= 0 && args.num_tokens <= layout.num_max_tokens,
+          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
+              "], got " + std::to_string(args.num_tokens));
+  require(args.num_topk >= 1 && args.num_topk <= layout.num_topk,
+          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
+              std::to_string(args.num_topk));
+  require(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
+          "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
+  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+}
+
+int max_dynamic_shared_bytes() {
+  static const int bytes = [] {
+    int device = 0;
+    int value = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return value - 1024;  // room for the kernel's static shared memory
+  }();
+  return bytes;
+}
+
+}  // namespace
+
+void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
+  check_args(args);
+  const auto ids_bytes = [](int64_t tokens, int64_t topk) { return align_up(tokens * topk * 2, 16); };
+  const int64_t budget = max_dynamic_shared_bytes();
+  // Decided from the buffer's sizing, not from this call's T: every rank must fail alike, or the
+  // ranks that launched would wait for the one that did not.
+  const int64_t worst = ids_bytes(args.layout.num_max_tokens, args.layout.num_topk) + args.layout.num_max_tokens * 4;
+  require(worst <= budget,
+          "low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(args.layout.num_max_tokens) +
+              " tokens x top-" + std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
+              std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
+  const int64_t list_bytes = int64_t{args.num_tokens} * 4;
+  const int64_t routing_bytes = ids_bytes(args.num_tokens, args.num_topk);
+  const int experts_per_round =
+      list_bytes == 0 ? kSendWarps
+                      : static_cast<int>(std::min<int64_t>(kSendWarps, (budget - routing_bytes) / list_bytes));
+  const int64_t shared_bytes = routing_bytes + experts_per_round * list_bytes;
+  const auto kernel = args.use_fp8 ? dispatch_send_kernel<true> : dispatch_send_kernel<false>;
+  if (shared_bytes > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+  }
+  const int grid = std::clamp(args.num_sms, 1, args.num_experts);
+  kernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
+  check_launch("low_latency_dispatch_send");
+}
+
+void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
+  check_args(args);
+  const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
+  dispatch_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
+  check_launch("low_latency_dispatch_recv");
+}
+
+}  // namespace deep_ep

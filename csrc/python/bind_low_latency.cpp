@@ -1,0 +1,142 @@
+// LL dispatch/combine launchers for Python: tensors cross as data_ptr() integers, streams as
+// cuda_stream integers. Shapes are validated in deep_ep/low_latency.py; here the LL layout is
+// rebuilt from the buffer's settings through sizing.hpp (never from offsets passed in), checked
+// against the window that was really allocated, and turned into the parity area of the call.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kernels/low_latency.hpp"
+#include "runtime/geometry.hpp"
+#include "runtime/runtime.hpp"
+#include "runtime/sizing.hpp"
+
+namespace py = pybind11;
+
+namespace deep_ep {
+namespace {
+
+template <typename T>
+T* pointer(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// The buffer's LL sizing settings: what the region was allocated for.
+struct LowLatencySettings {
+  int64_t num_max_tokens = 0;
+  int hidden = 0;
+  int num_experts = 0;
+  int num_topk = 0;  // the resolved LL top-k (ElasticBuffer.num_ll_topk)
+};
+
+LowLatencyLayout layout_of(const Runtime& runtime, const LowLatencySettings& settings) {
+  const LowLatencyLayout layout = low_latency_layout(LowLatencyRequest{
+      runtime.config().num_ranks, settings.num_max_tokens, settings.hidden, settings.num_experts, settings.num_topk});
+  if (layout.region_bytes == 0 || layout.region_bytes > runtime.window().ll_bytes) {
+    throw std::invalid_argument("the low-latency layout for these settings needs " +
+                                std::to_string(layout.region_bytes) + " bytes, the buffer's LL region has " +
+                                std::to_string(runtime.window().ll_bytes));
+  }
+  return layout;
+}
+
+int64_t area_offset(const Runtime& runtime, const LowLatencyLayout& layout, int parity) {
+  if (parity != 0 && parity != 1) throw std::invalid_argument("parity must be 0 or 1, got " + std::to_string(parity));
+  return runtime.window().ll_offset + layout.parity_offset(parity);
+}
+
+LowLatencyDispatchArgs dispatch_args(const Runtime& runtime, const LowLatencySettings& settings, int parity,
+                                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk,
+                                     bool use_fp8, std::uintptr_t recv_count, std::uintptr_t count_per_source,
+                                     int num_sms) {
+  LowLatencyDispatchArgs args;
+  args.view = runtime.device_view();
+  args.layout = layout_of(runtime, settings);
+  args.area_offset = area_offset(runtime, args.layout, parity);
+  args.num_experts = settings.num_experts;
+  args.hidden = settings.hidden;
+  args.num_tokens = num_tokens;
+  args.num_topk = num_topk;
+  args.use_fp8 = use_fp8;
+  args.x = pointer<const void>(x);
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.recv_count = pointer<int32_t>(recv_count);
+  args.count_per_source = pointer<int32_t>(count_per_source);
+  args.num_sms = num_sms;
+  return args;
+}
+
+LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySettings& settings, int dispatch_parity,
+                                   int parity, std::uintptr_t x, std::uintptr_t count_per_source,
+                                   std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out,
+                                   int num_tokens, int num_topk, int num_sms) {
+  LowLatencyCombineArgs args;
+  args.view = runtime.device_view();
+  args.layout = layout_of(runtime, settings);
+  args.dispatch_area_offset = area_offset(runtime, args.layout, dispatch_parity);
+  args.area_offset = area_offset(runtime, args.layout, parity);
+  args.parity = parity;
+  args.num_experts = settings.num_experts;
+  args.hidden = settings.hidden;
+  args.num_tokens = num_tokens;
+  args.num_topk = num_topk;
+  args.x = pointer<const void>(x);
+  args.count_per_source = pointer<const int32_t>(count_per_source);
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.topk_weights = pointer<const float>(topk_weights);
+  args.out = pointer<void>(out);
+  args.num_sms = num_sms;
+  return args;
+}
+
+}  // namespace
+
+void register_low_latency(py::module_& m) {
+  const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
+    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int parity,
+                    std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
+                    std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream) {
+      const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
+      launch(dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk, use_fp8, recv_count,
+                           count_per_source, num_sms),
+             as_stream(stream));
+    };
+  };
+  const auto combine = [](void (*launch)(const LowLatencyCombineArgs&, cudaStream_t)) {
+    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk,
+                    int dispatch_parity, int parity, std::uintptr_t x, std::uintptr_t count_per_source,
+                    std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
+                    int num_topk, int num_sms, std::uintptr_t stream) {
+      const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
+      launch(combine_args(runtime, settings, dispatch_parity, parity, x, count_per_source, topk_idx, topk_weights, out,
+                          num_tokens, num_topk, num_sms),
+             as_stream(stream));
+    };
+  };
+
+  // Send phase (x, topk_idx read) and receive phase (recv_count, count_per_source written) of one
+  // LL dispatch; both take the same arguments.
+  for (const auto& [name, launch] : {std::pair{"low_latency_dispatch_send", &launch_low_latency_dispatch_send},
+                                     std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv}}) {
+    m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
+          py::arg("num_experts"), py::arg("ll_topk"), py::arg("parity"), py::arg("x"), py::arg("topk_idx"),
+          py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
+          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"));
+  }
+  // Send phase (x, count_per_source read) and receive phase (out written from topk_idx/weights)
+  // of one LL combine.
+  for (const auto& [name, launch] : {std::pair{"low_latency_combine_send", &launch_low_latency_combine_send},
+                                     std::pair{"low_latency_combine_recv", &launch_low_latency_combine_recv}}) {
+    m.def(name, combine(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
+          py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_parity"), py::arg("parity"), py::arg("x"),
+          py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
+          py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"));
+  }
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,95 @@
+"""EPHandle: what a high-throughput dispatch keeps for combine and for cached re-dispatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class EPHandle:
+    """Routing metadata of one HT dispatch (DeepEP's field names where DeepEP has the field).
+
+    Shapes: ``T`` tokens dispatched by this rank, ``K`` top-k, ``R`` ranks, ``L`` local experts,
+    ``N`` received (non-expand) rows, ``N'`` expanded rows. Device tensors are int32 unless noted;
+    they stay valid as long as the handle lives and are only read by later operations.
+
+    Public (DeepEP):
+        do_expand: the dispatch produced one row per (token, local expert).
+        num_experts, expert_alignment, num_max_tokens_per_rank: the dispatch settings.
+        num_sms: SMs the dispatch used; combine's default.
+        topk_idx: int64 [T, K], this rank's routing (a copy taken by dispatch).
+        num_recv_tokens: N, exact after a CPU sync, else the worst case ``R * T_max`` (rows allocated).
+        num_expanded_tokens: N' (rows of the expand output): the sum of the aligned per-expert
+            counts after a CPU sync, else the worst case.
+        num_recv_tokens_per_expert_list: aligned per-local-expert counts (Python list), empty
+            without a CPU sync.
+        psum_num_recv_tokens_per_scaleup_rank: [R], inclusive prefix sum of the tokens received from
+            each source rank; the last entry is the real N.
+        psum_num_recv_tokens_per_expert: [L]; non-expand: inclusive prefix sum of the aligned
+            per-expert counts; expand: first row of expert l plus its count, so expert l's rows are
+            ``[psum[l] - unaligned[l], psum[l])``.
+        num_unaligned_recv_tokens_per_expert: [L], rows of each local expert.
+        recv_src_metadata: [N, 3] per received row: source rank, source token index, and ``j``, the
+            row's combine slot at the source (index of this rank among the token's destination
+            ranks, ascending).
+        dst_buffer_slot_idx: [T, K], the token's slot at the rank of expert k on the first k of each
+            destination rank, -1 elsewhere (its row there is ``[this rank][slot]``).
+
+    Internal:
+        num_ranks, num_tokens, num_topk: group size, T and K of the dispatch.
+        is_exact: sizes come from a CPU sync (False: worst case).
+        expert_slot_idx: [T, K], ordinal of token t among this rank's tokens of expert k.
+        num_recv_tokens_per_scaleup_rank: [R], tokens received from each source rank.
+        expert_offsets_per_source: [R, L], rows of local expert l coming from sources before s.
+        expert_start: [L], first expanded row of each local expert (exclusive psum of aligned counts).
+        recv_expanded_row_idx: expand only, [N, K], the expanded row of (received row, k), -1 where
+            expert k is not local.
+        counts: the single allocation the views above live in (what the kernels read).
+    """
+
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: torch.Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    num_ranks: int
+    num_tokens: int
+    num_topk: int
+    is_exact: bool
+    expert_slot_idx: torch.Tensor
+    num_recv_tokens_per_scaleup_rank: torch.Tensor
+    expert_offsets_per_source: torch.Tensor
+    expert_start: torch.Tensor
+    recv_expanded_row_idx: torch.Tensor | None
+    counts: torch.Tensor
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Load-balance observability (exact, on the device): tokens received per source rank [R]
+        and rows received per local expert [L] (unaligned)."""
+        return {
+            "tokens_per_source_rank": self.num_recv_tokens_per_scaleup_rank,
+            "tokens_per_local_expert": self.num_unaligned_recv_tokens_per_expert,
+        }
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every device tensor the handle owns (kept alive by events of operations that use them)."""
+        owned = (self.topk_idx, self.recv_src_metadata, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
+        if self.recv_expanded_row_idx is not None:
+            owned += (self.recv_expanded_row_idx,)
+        return owned

@@ -1,0 +1,632 @@
+"""HighThroughputMixin: ElasticBuffer's high-throughput (HT) dispatch and combine, direct mode.
+
+Direct mode writes every token straight into the receive slot of each rank that holds one of its
+experts, so it needs every rank to be load/store reachable (one host: NVLink peers or ranks sharing
+a GPU). That is always the case today: a buffer built with emulated nodes
+(``num_ranks_per_node < num_ranks``) still uses the direct kernels for HT; the hybrid scale-out
+path is not implemented.
+
+Streams follow DeepEP: kernels run on the buffer's communication stream, which first waits for
+``previous_event`` (or the caller's stream); outputs are allocated on the communication stream when
+``allocate_on_comm_stream``; with ``async_with_compute_stream`` the returned ``EventOverlap`` holds
+the event and every tensor the kernels touch, otherwise the caller's stream waits before return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from deep_ep import _C
+from deep_ep.errors import BufferTooSmallError
+from deep_ep.event import EventOverlap
+from deep_ep.handle import EPHandle
+from deep_ep.plan.estimates import theoretical_num_qps, theoretical_num_sms
+
+__all__ = ["HighThroughputMixin"]
+
+FP8_GROUP_SIZE = 128
+MAX_TOPK = 32
+# Link rate the SM estimate saturates. Ranks on different GPUs: the measured H200 peer copy one
+# way (GPU_TESTING.md). Ranks sharing a GPU: "NVLink" is the GPU's own memory, so use the device
+# copy class (about half of the 4.3 TB/s read + write figure); the estimate is then capped by the
+# per-rank SM share anyway.
+NVLINK_GBS = 395.0
+SHARED_GPU_GBS = 2000.0
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def _pointer(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class _CommLaunch:
+    """One operation's stream protocol: comm waits first, allocations on the chosen stream, and a
+    finish() that records the event and either hands it to the caller or makes the caller wait."""
+
+    def __init__(self, comm: torch.cuda.Stream, previous_event: Any, allocate_on_comm_stream: bool) -> None:
+        self.compute = torch.cuda.current_stream()
+        self.comm = comm
+        if previous_event is not None:
+            event = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
+            comm.wait_event(event)
+        else:
+            comm.wait_stream(self.compute)
+        self.on_comm = allocate_on_comm_stream
+        self.alloc_stream = comm if allocate_on_comm_stream else self.compute
+        self.allocated: list[torch.Tensor] = []
+
+    @property
+    def stream(self) -> int:
+        return self.comm.cuda_stream
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.cuda.stream(self.alloc_stream):
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        self.allocated.append(tensor)
+        return tensor
+
+    def finish(self, async_with_compute_stream: bool, used: Sequence[torch.Tensor | None]) -> EventOverlap:
+        event = torch.cuda.Event()
+        event.record(self.comm)
+        if self.on_comm and not torch.cuda.is_current_stream_capturing():
+            # Allocated on comm, handed to the caller's stream: the allocator must not reuse them on
+            # comm while the caller still works with them.
+            for tensor in self.allocated:
+                tensor.record_stream(self.compute)
+        if async_with_compute_stream:
+            keep = tuple(tensor for tensor in (*used, *self.allocated) if tensor is not None)
+            return EventOverlap(event, extra_tensors=keep)
+        self.compute.wait_event(event)
+        return EventOverlap(None)
+
+
+class HighThroughputMixin:
+    """HT dispatch / combine for ElasticBuffer (see DESIGN.md §3 and the module docstring)."""
+
+    # Set by ElasticBuffer before any method runs (PYTHON_CONTRACT.md).
+    _runtime: Any
+    _window: dict[str, int]
+    _comm_stream: torch.cuda.Stream
+    _max_num_sms: int
+    num_ranks: int
+    rank_idx: int
+    num_max_tokens_per_rank: int
+    num_topk: int
+    device: int
+
+    # ------------------------------------------------------------------ estimates
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """Fewest SMs that keep the link saturated for HT (deep_ep.plan.estimates), capped at this
+        rank's SM share. Direct mode: all ranks form one load/store domain."""
+        topology = getattr(self, "topology", None)
+        shares_gpu = topology is not None and topology.ranks_per_gpu > 1
+        num_sms = theoretical_num_sms(
+            num_experts,
+            num_topk,
+            self.num_ranks,
+            self.num_ranks,
+            1,
+            nvlink_gbs=SHARED_GPU_GBS if shares_gpu else NVLINK_GBS,
+            prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
+            device_sms=self._max_num_sms,
+        )
+        return min(num_sms, self._max_num_sms)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """Queue pairs DeepEP would request for ``num_sms`` (direct mode: no scale-out traffic)."""
+        return theoretical_num_qps(num_sms, hybrid=False)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int = 1,
+        num_sms: int = 0,
+        handle: EPHandle | None = None,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        previous_event: EventOverlap | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
+        """Send each token once to every rank holding one of its experts.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``. ``recv_x`` is bf16
+        ``[N, H]`` or ``(fp8 [N, H], fp32 scales [N, H/128])``; rows are ordered by (source rank,
+        source token). ``recv_topk_idx`` int64 ``[N, K]`` holds local expert ids (-1 where the
+        expert lives elsewhere); ``recv_topk_weights`` fp32 ``[N, K]`` carries all K weights.
+        ``do_expand``: one row per (token, local expert), grouped by local expert, each group
+        starting at a multiple of ``expert_alignment`` (padding rows zero); ``recv_topk_idx`` is
+        None and ``recv_topk_weights`` is ``[N']``.
+
+        ``handle=`` re-dispatches with cached routing (no counting, no CPU sync, CUDA-graph safe;
+        ``topk_idx`` must be None, expand/alignment come from the handle). ``do_cpu_sync=False``
+        (default True unless cached): outputs get worst-case sizes (``R * T_max`` rows; expand
+        ``align(R * T_max * min(K, L) + (a - 1) * L, a)``), only the valid prefix (expand: the
+        per-expert segments) is written, and the real counts stay on the device in the handle.
+
+        Every rank must call with the same hidden size, dtype, K, weights presence and T_max. An
+        expert id outside [-1, E) raises ValueError at the CPU sync (or at the next call without
+        one); that entry is treated as -1 and the buffer stays usable.
+        """
+        self._ensure_usable()
+        self._check_device_errors()
+        device = torch.device("cuda", self.device)
+        data, scales = self._check_dispatch_x(x, device)
+        num_tokens, hidden = data.shape
+        use_fp8 = scales is not None
+
+        cached = handle is not None
+        if cached:
+            self._check_cached_dispatch(
+                handle,
+                topk_idx,
+                num_tokens,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                do_expand,
+                do_cpu_sync,
+            )
+            num_experts = handle.num_experts
+            num_max_tokens = handle.num_max_tokens_per_rank
+            expert_alignment = handle.expert_alignment
+            do_expand = handle.do_expand
+            do_cpu_sync = False
+            routing = handle.topk_idx
+        else:
+            num_experts = self._check_num_experts(num_experts)
+            self._check_topk_idx(topk_idx, num_tokens, device)
+            num_max_tokens = self._check_num_max_tokens(num_max_tokens_per_rank, num_tokens)
+            if not isinstance(expert_alignment, int) or expert_alignment < 1:
+                raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+            routing = topk_idx
+        num_topk = routing.shape[1]
+        self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
+        layout = _C.high_throughput_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
+        self._check_fits(
+            "dispatch", layout["dispatch_bytes"], T=num_tokens, H=hidden, K=num_topk, T_max=num_max_tokens, fp8=use_fp8
+        )
+        num_sms = self._resolve_num_sms(num_sms, num_experts, num_topk)
+        self._check_previous_event(previous_event, allocate_on_comm_stream)
+
+        num_ranks = self.num_ranks
+        num_local = num_experts // num_ranks
+        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream)
+        if cached:
+            new_handle = handle
+        else:
+            new_handle = self._notify(
+                launch, routing, num_experts, num_max_tokens, expert_alignment, do_expand, do_cpu_sync, num_sms, device
+            )
+        _C.ht_dispatch(
+            self._runtime,
+            num_max_tokens_per_rank=num_max_tokens,
+            hidden=hidden,
+            use_fp8=use_fp8,
+            num_topk=num_topk,
+            num_experts=num_experts,
+            num_tokens=num_tokens,
+            x=_pointer(data),
+            x_scales=_pointer(scales),
+            topk_idx=_pointer(new_handle.topk_idx),
+            topk_weights=_pointer(topk_weights),
+            dst_slot=_pointer(new_handle.dst_buffer_slot_idx),
+            expert_slot=_pointer(new_handle.expert_slot_idx),
+            entry_barrier=cached,
+            num_sms=num_sms,
+            stream=launch.stream,
+        )
+
+        if not cached:
+            if do_cpu_sync:
+                # The dispatch kernel is already moving data; only the output allocation waits.
+                self._wait_mapped_counter(_C.HT_MAPPED_READY)
+                values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
+                try:
+                    self._check_device_errors()
+                except ValueError:
+                    # The dispatch kernel still runs: order whatever the caller does next after it.
+                    launch.compute.wait_stream(launch.comm)
+                    raise
+                new_handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
+                new_handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
+                new_handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
+            else:
+                new_handle.num_recv_tokens = num_ranks * num_max_tokens
+                worst = num_ranks * num_max_tokens * min(num_topk, num_local) + (expert_alignment - 1) * num_local
+                new_handle.num_expanded_tokens = _align_up(worst, expert_alignment)
+            if do_expand:
+                new_handle.recv_expanded_row_idx = launch.empty(
+                    (new_handle.num_recv_tokens, num_topk), torch.int32, device
+                )
+            new_handle.recv_src_metadata = launch.empty(
+                (new_handle.num_recv_tokens, _C.HT_SRC_METADATA_COLUMNS), torch.int32, device
+            )
+
+        num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
+        recv_x = launch.empty((num_rows, hidden), data.dtype, device)
+        recv_scales = launch.empty((num_rows, hidden // FP8_GROUP_SIZE), torch.float32, device) if use_fp8 else None
+        recv_topk_idx = None if do_expand else launch.empty((num_rows, num_topk), torch.int64, device)
+        recv_topk_weights = None
+        if topk_weights is not None:
+            shape = (num_rows,) if do_expand else (num_rows, num_topk)
+            recv_topk_weights = launch.empty(shape, torch.float32, device)
+        _C.ht_dispatch_epilogue(
+            self._runtime,
+            num_max_tokens_per_rank=num_max_tokens,
+            hidden=hidden,
+            use_fp8=use_fp8,
+            num_topk=num_topk,
+            num_experts=num_experts,
+            do_expand=do_expand,
+            expert_alignment=expert_alignment,
+            has_weights=topk_weights is not None,
+            counts=_pointer(new_handle.counts),
+            num_rows_allocated=num_rows,
+            num_meta_rows_allocated=new_handle.num_recv_tokens,
+            recv_x=_pointer(recv_x),
+            recv_x_scales=_pointer(recv_scales),
+            recv_topk_idx=_pointer(recv_topk_idx),
+            recv_topk_weights=_pointer(recv_topk_weights),
+            # A cached dispatch has the same routing: the handle's metadata is already right.
+            recv_src_metadata=0 if cached else _pointer(new_handle.recv_src_metadata),
+            recv_expanded_rows=0 if cached else _pointer(new_handle.recv_expanded_row_idx),
+            num_ctas=self._max_num_sms,
+            stream=launch.stream,
+        )
+        event = launch.finish(async_with_compute_stream, (data, scales, topk_idx, topk_weights, *new_handle.tensors()))
+        out_x = (recv_x, recv_scales) if use_fp8 else recv_x
+        return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
+
+    def _notify(
+        self,
+        launch: _CommLaunch,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        num_max_tokens: int,
+        expert_alignment: int,
+        do_expand: bool,
+        do_cpu_sync: bool,
+        num_sms: int,
+        device: torch.device,
+    ) -> EPHandle:
+        """Launch the notify kernel and build the handle around its outputs (sizes filled in later)."""
+        num_ranks = self.num_ranks
+        num_local = num_experts // num_ranks
+        num_tokens, num_topk = topk_idx.shape
+        routing = launch.empty((num_tokens, num_topk), torch.int64, device)
+        with torch.cuda.stream(launch.comm):
+            routing.copy_(topk_idx)
+        expert_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
+        dst_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
+        layout = _C.ht_counts_layout(num_ranks, num_local)
+        counts = launch.empty((layout["total"],), torch.int32, device)
+        scratch = launch.empty((_C.ht_notify_scratch_ints(num_tokens, num_experts, num_ranks),), torch.int32, device)
+        if do_cpu_sync:
+            self._runtime.reset_mapped_counter(_C.HT_MAPPED_READY)
+        _C.ht_notify(
+            self._runtime,
+            topk_idx=_pointer(routing),
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            do_expand=do_expand,
+            expert_slot=_pointer(expert_slot),
+            dst_slot=_pointer(dst_slot),
+            scratch=_pointer(scratch),
+            counts=_pointer(counts),
+            cpu_sync=do_cpu_sync,
+            num_sms=num_sms,
+            stream=launch.stream,
+        )
+
+        def part(name: str, size: int) -> torch.Tensor:
+            return counts[layout[name] : layout[name] + size]
+
+        return EPHandle(
+            do_expand=do_expand,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            num_max_tokens_per_rank=num_max_tokens,
+            num_sms=num_sms,
+            topk_idx=routing,
+            num_recv_tokens=0,
+            num_expanded_tokens=0,
+            num_recv_tokens_per_expert_list=[],
+            psum_num_recv_tokens_per_scaleup_rank=part("psum_per_source", num_ranks),
+            psum_num_recv_tokens_per_expert=part("psum_per_expert", num_local),
+            num_unaligned_recv_tokens_per_expert=part("unaligned_per_expert", num_local),
+            recv_src_metadata=torch.empty(0),  # allocated once the sizes are known
+            dst_buffer_slot_idx=dst_slot,
+            num_ranks=num_ranks,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            is_exact=do_cpu_sync,
+            expert_slot_idx=expert_slot,
+            num_recv_tokens_per_scaleup_rank=part("recv_per_source", num_ranks),
+            expert_offsets_per_source=part("expert_offsets", num_ranks * num_local).view(num_ranks, num_local),
+            expert_start=part("expert_start", num_local),
+            recv_expanded_row_idx=None,
+            counts=counts,
+        )
+
+    # ------------------------------------------------------------------ combine
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        *,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+        num_sms: int = 0,
+        previous_event: EventOverlap | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Sum, for each token this rank dispatched, the rows it produced (plus ``bias``: a tensor or
+        up to two), in fp32 in a fixed order (biases, then destination ranks ascending; expand rows
+        pre-summed per rank in local-expert order), rounded to bf16 once: bitwise reproducible.
+
+        ``x``: bf16 ``[N, H]`` (``[N', H]`` after an expand dispatch). ``topk_weights``: fp32
+        ``[N, K]`` (expand ``[N']``); ``combined_topk_weights[t, k]`` is the weight of slot k sent by
+        the rank owning expert k (0 for -1). Weighting is the caller's job (as in DeepEP).
+        Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
+        """
+        self._ensure_usable()
+        self._check_device_errors()
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
+        device = torch.device("cuda", self.device)
+        num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+        what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
+        self._check_tensor("x", x, device)
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != num_rows:
+            raise ValueError(f"x must be bfloat16 [{num_rows}, H] (one row per received {what}), got {_describe(x)}")
+        hidden = x.shape[1]
+        if hidden == 0 or hidden % 8 != 0:
+            raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={hidden}")
+        weights_shape = (num_rows,) if handle.do_expand else (num_rows, handle.num_topk)
+        self._check_weights("topk_weights", topk_weights, weights_shape, device)
+        biases = self._check_bias(bias, handle.num_tokens, hidden, device)
+        num_max_tokens = handle.num_max_tokens_per_rank
+        layout = _C.high_throughput_layout(
+            self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False
+        )
+        self._check_fits(
+            "combine", layout["combine_bytes"], T=handle.num_tokens, H=hidden, K=handle.num_topk, T_max=num_max_tokens
+        )
+        num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
+        self._check_previous_event(previous_event, allocate_on_comm_stream)
+
+        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream)
+        combined_x = launch.empty((handle.num_tokens, hidden), torch.bfloat16, device)
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = launch.empty((handle.num_tokens, handle.num_topk), torch.float32, device)
+        _C.ht_combine(
+            self._runtime,
+            num_max_tokens_per_rank=num_max_tokens,
+            hidden=hidden,
+            num_topk=handle.num_topk,
+            do_expand=handle.do_expand,
+            x=_pointer(x),
+            topk_weights=_pointer(topk_weights),
+            counts=_pointer(handle.counts),
+            recv_src_metadata=_pointer(handle.recv_src_metadata),
+            recv_expanded_rows=_pointer(handle.recv_expanded_row_idx),
+            num_sms=num_sms,
+            stream=launch.stream,
+        )
+        _C.ht_combine_reduce(
+            self._runtime,
+            num_max_tokens_per_rank=num_max_tokens,
+            hidden=hidden,
+            num_topk=handle.num_topk,
+            num_experts=handle.num_experts,
+            num_tokens=handle.num_tokens,
+            topk_idx=_pointer(handle.topk_idx),
+            bias0=_pointer(biases[0]),
+            bias1=_pointer(biases[1]),
+            combined_x=_pointer(combined_x),
+            combined_topk_weights=_pointer(combined_weights),
+            num_ctas=self._max_num_sms,
+            stream=launch.stream,
+        )
+        event = launch.finish(async_with_compute_stream, (x, topk_weights, *biases, *handle.tensors()))
+        return combined_x, combined_weights, event
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tensor(self, name: str, tensor: Any, device: torch.device) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on this buffer's device {device}, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {_describe(tensor)}")
+        if tensor.numel() > 0 and tensor.data_ptr() % 16 != 0:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (rows move as 16-byte vectors)")
+
+    def _check_dispatch_x(self, x: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(x, torch.Tensor):
+            self._check_tensor("x", x, device)
+            if x.dtype != torch.bfloat16 or x.dim() != 2:
+                raise ValueError(f"x must be bfloat16 [T, H] or an (fp8, scales) pair, got {_describe(x)}")
+            if x.shape[1] == 0 or x.shape[1] % 8 != 0:
+                raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={x.shape[1]}")
+            return x, None
+        if not isinstance(x, (tuple, list)) or len(x) != 2:
+            raise TypeError(f"x must be a bfloat16 tensor or an (fp8, scales) pair, got {type(x).__name__}")
+        data, scales = x
+        self._check_tensor("x[0]", data, device)
+        self._check_tensor("x[1]", scales, device)
+        if data.dtype != torch.float8_e4m3fn or data.dim() != 2:
+            raise ValueError(f"x[0] must be float8_e4m3fn [T, H], got {_describe(data)}")
+        if data.shape[1] == 0 or data.shape[1] % FP8_GROUP_SIZE != 0:
+            raise ValueError(
+                f"x[0] hidden size must be a positive multiple of {FP8_GROUP_SIZE} for fp8 (one scale per "
+                f"{FP8_GROUP_SIZE} channels), got H={data.shape[1]}"
+            )
+        expected = [data.shape[0], data.shape[1] // FP8_GROUP_SIZE]
+        if scales.dtype != torch.float32 or list(scales.shape) != expected:
+            raise ValueError(f"x[1] (scales) must be float32 {expected}, got {_describe(scales)}")
+        return data, scales
+
+    def _check_num_experts(self, num_experts: Any) -> int:
+        if num_experts is None:
+            num_experts = getattr(self, "num_experts", 0) or None
+        if num_experts is None:
+            raise ValueError("num_experts must be given (the buffer was not built with num_experts)")
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts > _C.MAX_EXPERTS:
+            raise ValueError(f"num_experts must be an int in [1, {_C.MAX_EXPERTS}], got {num_experts!r}")
+        if num_experts % self.num_ranks != 0:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of num_ranks ({self.num_ranks}): "
+                "experts are split evenly over ranks"
+            )
+        return num_experts
+
+    def _check_topk_idx(self, topk_idx: Any, num_tokens: int, device: torch.device) -> None:
+        if topk_idx is None:
+            raise ValueError("topk_idx must be given unless handle= is passed (cached dispatch)")
+        self._check_tensor("topk_idx", topk_idx, device)
+        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K] (T from x), got {_describe(topk_idx)}")
+        num_topk = topk_idx.shape[1]
+        sized_for = self.num_topk if getattr(self, "num_topk", 0) > 0 else MAX_TOPK
+        if not 1 <= num_topk <= min(MAX_TOPK, sized_for):
+            raise ValueError(
+                f"topk_idx K must be in [1, {min(MAX_TOPK, sized_for)}] (at most {MAX_TOPK}, and at most the "
+                f"num_topk={sized_for} the buffer was sized for), got K={num_topk}"
+            )
+
+    def _check_num_max_tokens(self, num_max_tokens_per_rank: Any, num_tokens: int) -> int:
+        num_max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        if not isinstance(num_max_tokens, int) or num_max_tokens < 1:
+            raise ValueError(
+                f"num_max_tokens_per_rank must be an int >= 1 (per call, or the buffer's), got {num_max_tokens!r}"
+            )
+        if num_tokens > num_max_tokens:
+            raise ValueError(
+                f"x has T={num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens} "
+                "(T must not exceed T_max)"
+            )
+        return num_max_tokens
+
+    def _check_weights(self, name: str, weights: Any, shape: tuple[int, ...], device: torch.device) -> None:
+        if weights is None:
+            return
+        self._check_tensor(name, weights, device)
+        if weights.dtype != torch.float32 or tuple(weights.shape) != shape:
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {_describe(weights)}")
+
+    def _check_bias(
+        self, bias: Any, num_tokens: int, hidden: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if bias is None:
+            return None, None
+        terms = [bias] if isinstance(bias, torch.Tensor) else list(bias)
+        if len(terms) > 2:
+            raise ValueError(f"bias must be a tensor or a pair of tensors, got {len(terms)} entries")
+        checked: list[torch.Tensor] = []
+        for index, term in enumerate(terms):
+            if term is None:
+                continue
+            name = "bias" if isinstance(bias, torch.Tensor) else f"bias[{index}]"
+            self._check_tensor(name, term, device)
+            if term.dtype != torch.bfloat16 or list(term.shape) != [num_tokens, hidden]:
+                raise ValueError(f"{name} must be bfloat16 [{num_tokens}, {hidden}], got {_describe(term)}")
+            checked.append(term)
+        checked += [None] * (2 - len(checked))
+        return checked[0], checked[1]
+
+    def _check_cached_dispatch(
+        self,
+        handle: Any,
+        topk_idx: Any,
+        num_tokens: int,
+        num_experts: Any,
+        num_max_tokens_per_rank: Any,
+        expert_alignment: Any,
+        do_expand: Any,
+        do_cpu_sync: Any,
+    ) -> None:
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle returned by dispatch, got {type(handle).__name__}")
+        if topk_idx is not None:
+            raise ValueError(
+                f"topk_idx must be None with handle= (cached dispatch reuses the handle's routing), got "
+                f"{_describe(topk_idx) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}"
+            )
+        if do_cpu_sync:
+            raise ValueError("do_cpu_sync=True cannot be used with handle= (a cached dispatch never syncs)")
+        if num_tokens != handle.num_tokens:
+            raise ValueError(f"x must have the handle's T={handle.num_tokens} tokens with handle=, got T={num_tokens}")
+        for name, given, cached in (
+            ("num_experts", num_experts, handle.num_experts),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+        ):
+            if given is not None and given != cached:
+                raise ValueError(f"{name}={given} differs from the handle's {cached}")
+        if expert_alignment != 1 and expert_alignment != handle.expert_alignment:
+            raise ValueError(f"expert_alignment={expert_alignment} differs from the handle's {handle.expert_alignment}")
+        if do_expand and not handle.do_expand:
+            raise ValueError("do_expand=True with a handle from a non-expand dispatch")
+
+    def _check_fits(self, operation: str, needed: int, **shape: Any) -> None:
+        available = self._window["ht_bytes"]
+        if needed > available:
+            details = ", ".join(f"{key}={value}" for key, value in shape.items())
+            raise BufferTooSmallError(
+                f"HT {operation} ({details}) needs {needed} bytes of the HT region, the buffer has {available}; "
+                "build the buffer with these settings (or a larger num_bytes)",
+                needed_bytes=needed,
+                available_bytes=available,
+            )
+
+    def _resolve_num_sms(self, num_sms: Any, num_experts: int, num_topk: int) -> int:
+        if not isinstance(num_sms, int) or num_sms < 0:
+            raise ValueError(f"num_sms must be an int >= 0 (0 = estimate), got {num_sms!r}")
+        if num_sms == 0:
+            return self.get_theoretical_num_sms(num_experts, num_topk)
+        if num_sms > self._max_num_sms:
+            raise ValueError(
+                f"num_sms={num_sms} exceeds this rank's SM cap {self._max_num_sms} (device SMs divided by the "
+                "ranks sharing the GPU: every rank's communication CTAs must be resident at once)"
+            )
+        return num_sms
+
+    @staticmethod
+    def _check_previous_event(previous_event: Any, allocate_on_comm_stream: bool) -> None:
+        if previous_event is None:
+            return
+        if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if isinstance(previous_event, EventOverlap) and previous_event.event is None:
+            raise ValueError("previous_event holds no event (it came from a synchronous call)")
+        if not allocate_on_comm_stream:
+            raise ValueError(
+                "previous_event requires allocate_on_comm_stream=True: the comm stream would not wait for the "
+                "caller's stream, so memory allocated there could be reused under the kernels"
+            )

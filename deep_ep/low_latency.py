@@ -1,0 +1,477 @@
+"""LowLatencyMixin: ElasticBuffer's low-latency (decode) dispatch and combine (DeepEP V1 API).
+
+Every LL operation is a send phase and a receive phase (two kernels). Without a hook both run on
+the caller's stream (``async_finish``: on the communication stream, with an event returned); with
+``return_recv_hook=True`` only the send runs and the returned hook launches the receive later, so
+no SM waits while the data is in flight. No call synchronises with the host, so the whole path can
+be captured in a CUDA graph.
+
+The LL region is double buffered: operations alternate between parity 0 and 1 (the parity flips on
+every dispatch and combine). ``recv_x`` is a zero-copy view of this rank's receive slots and stays
+valid until the next LL operation that reuses its parity starts (the next-but-one LL call).
+At most two operations may be outstanding (receive phase not yet launched); a third raises.
+See docs/low_latency.md for the layout and the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deep_ep import _C
+from deep_ep.event import EventOverlap
+from deep_ep.window import window_tensor
+
+__all__ = ["LowLatencyHandle", "LowLatencyMixin"]
+
+FP8_GROUP_SIZE = 128
+MAX_OUTSTANDING = 2
+# A handle's dispatch area (headers) is reused by the second LL operation after the dispatch, so
+# the combine answering it must be at most that one.
+MAX_COMBINE_DISTANCE = 2
+# Receive phases launched into CUDA need 16-byte aligned rows.
+_ROW_ALIGNMENT = 16
+
+
+def _describe(tensor: Any) -> str:
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__name__
+    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} on {tensor.device}"
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous and 16-byte aligned (a copy on the current stream when it is not)."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.data_ptr() % _ROW_ALIGNMENT != 0:
+        return tensor.clone()
+    return tensor
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """What ``low_latency_combine`` needs from the ``low_latency_dispatch`` it answers.
+
+    ``count_per_source`` int32 [L, R]: tokens received per (local expert, source rank), written by
+    the dispatch's receive phase. ``recv_src_token`` / ``recv_topk_slot`` int32 [L, R * T_ll]:
+    zero-copy views of the message headers (source token index and top-k slot of each received
+    row; rows past the counts are undefined). Like ``recv_x`` they are valid until the next-but-one
+    LL operation.
+    """
+
+    owner_id: int
+    parity: int
+    op_index: int
+    num_tokens: int
+    num_topk: int
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    use_fp8: bool
+    recv_count: torch.Tensor
+    count_per_source: torch.Tensor
+    recv_src_token: torch.Tensor
+    recv_topk_slot: torch.Tensor
+    received: bool = False
+
+
+class _Hook:
+    """Launches a pending receive phase once; a second call raises."""
+
+    def __init__(self, buffer: Any, operation: str, receive: Callable[[], None]) -> None:
+        self._buffer = buffer
+        self._operation = operation
+        self._receive: Callable[[], None] | None = receive
+
+    def __call__(self) -> None:
+        if self._receive is None:
+            raise RuntimeError(f"this {self._operation} hook was already called; each hook receives exactly once")
+        self._buffer._ensure_usable()
+        self._buffer._check_device_errors()
+        receive, self._receive = self._receive, None
+        self._buffer._ll_num_pending = self._buffer._ll_num_pending - 1
+        receive()
+
+
+class LowLatencyMixin:
+    """``low_latency_dispatch`` / ``low_latency_combine`` on ElasticBuffer's LL region."""
+
+    # Set by ElasticBuffer (see .notes/PYTHON_CONTRACT.md).
+    _runtime: Any
+    _window: dict
+    _comm_stream: torch.cuda.Stream
+    _max_num_sms: int
+    num_ranks: int
+    hidden: int
+    device: int
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    num_ll_topk: int
+
+    # LL state, created on first use: next parity, operations started, receive phases pending.
+    _ll_next_parity: int = 0
+    _ll_num_ops: int = 0
+    _ll_num_pending: int = 0
+
+    # ------------------------------------------------------------------ public
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        *,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap | None, Callable[[], None] | None]:
+        """Send every (token, selected expert) to the expert's rank; returns
+        ``(recv_x, recv_count, handle, event, hook)``.
+
+        ``recv_x`` is ``(fp8 [L, R*T_ll, H], fp32 scales [L, R*T_ll, H/128])`` with ``use_fp8``,
+        else bf16 ``[L, R*T_ll, H]``; rows ``[s*T_ll, s*T_ll + n)`` of local expert ``l`` hold the
+        ``n`` tokens of rank ``s`` that selected it, in token order (rows past ``n`` are undefined).
+        ``recv_count`` int32 [L]. ``event`` is an EventOverlap with ``async_finish``, ``hook`` a
+        callable launching the receive phase with ``return_recv_hook``; otherwise None.
+        """
+        self._ensure_usable()
+        self._check_device_errors()
+        self._ll_check_settings(num_max_dispatch_tokens_per_rank, num_experts)
+        if round_scale:
+            raise ValueError("round_scale=True (power-of-two fp8 scales) is not implemented; pass round_scale=False")
+        if use_ue8m0:
+            raise ValueError("use_ue8m0=True (packed UE8M0 scales) is not implemented; pass use_ue8m0=False")
+        self._ll_check_modes(async_finish, return_recv_hook)
+        device = self._ll_device()
+        num_tokens, num_topk = self._ll_check_dispatch_inputs(x, topk_idx, device)
+        self._ll_check_outstanding("low_latency_dispatch")
+
+        num_local = self._ll_layout()["num_local_experts"]
+        x, topk_idx = _aligned(x), topk_idx.contiguous()
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
+        count_per_source = torch.empty(num_local, self.num_ranks, dtype=torch.int32, device=device)
+        parity, op_index = self._ll_begin()
+        views = self._ll_views(parity)
+        recv_x = (views["x_fp8"], views["x_scales"]) if use_fp8 else views["x_bf16"]
+        handle = LowLatencyHandle(
+            owner_id=id(self),
+            parity=parity,
+            op_index=op_index,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
+            hidden=self.hidden,
+            num_experts=self.num_experts,
+            use_fp8=use_fp8,
+            recv_count=recv_count,
+            count_per_source=count_per_source,
+            recv_src_token=views["src_token"],
+            recv_topk_slot=views["topk_slot"],
+        )
+
+        def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
+            phase(
+                self._runtime,
+                self.num_max_dispatch_tokens_per_rank,
+                self.hidden,
+                self.num_experts,
+                self.num_ll_topk,
+                parity,
+                x.data_ptr(),
+                topk_idx.data_ptr(),
+                num_tokens,
+                num_topk,
+                use_fp8,
+                recv_count.data_ptr(),
+                count_per_source.data_ptr(),
+                self._max_num_sms,
+                stream.cuda_stream,
+            )
+
+        def receive() -> None:
+            launch(_C.low_latency_dispatch_recv, torch.cuda.current_stream())
+            handle.received = True
+
+        event, hook = self._ll_run(
+            "low_latency_dispatch",
+            lambda stream: launch(_C.low_latency_dispatch_send, stream),
+            receive,
+            async_finish,
+            return_recv_hook,
+            keep_alive=(x, topk_idx, recv_count, count_per_source),
+        )
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        *,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap | None, Callable[[], None] | None]:
+        """Return each expert output row to its token's rank and sum ``Σ_k w[t, k] · y_k`` in fp32
+        (k ascending, ``-1`` skipped, one bf16 rounding); returns ``(combined_x [T, H], event, hook)``.
+
+        ``x`` bf16 ``[L, R*T_ll, H]`` laid out like the dispatch's ``recv_x``; ``topk_idx`` /
+        ``topk_weights`` are the ones given to the dispatch (int64 / fp32 ``[T, K]``). ``out``: a
+        bf16 ``[T, H]`` tensor to write into instead of allocating.
+        """
+        self._ensure_usable()
+        self._check_device_errors()
+        if zero_copy:
+            raise ValueError("zero_copy=True (expert outputs written in place into the send area) is not implemented")
+        self._ll_check_modes(async_finish, return_recv_hook)
+        device = self._ll_device()
+        self._ll_check_handle(handle)
+        self._ll_check_combine_inputs(x, topk_idx, topk_weights, handle, out, device)
+        self._ll_check_outstanding("low_latency_combine")
+
+        x, topk_idx, topk_weights = _aligned(x), topk_idx.contiguous(), topk_weights.contiguous()
+        if out is None:
+            out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
+        parity, _ = self._ll_begin()
+        count_per_source = handle.count_per_source
+
+        def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
+            phase(
+                self._runtime,
+                self.num_max_dispatch_tokens_per_rank,
+                self.hidden,
+                self.num_experts,
+                self.num_ll_topk,
+                handle.parity,
+                parity,
+                x.data_ptr(),
+                count_per_source.data_ptr(),
+                topk_idx.data_ptr(),
+                topk_weights.data_ptr(),
+                out.data_ptr(),
+                handle.num_tokens,
+                handle.num_topk,
+                self._max_num_sms,
+                stream.cuda_stream,
+            )
+
+        event, hook = self._ll_run(
+            "low_latency_combine",
+            lambda stream: launch(_C.low_latency_combine_send, stream),
+            lambda: launch(_C.low_latency_combine_recv, torch.cuda.current_stream()),
+            async_finish,
+            return_recv_hook,
+            keep_alive=(x, topk_idx, topk_weights, count_per_source, out),
+        )
+        return out, event, hook
+
+    # ---------------------------------------------------------------- launching
+
+    def _ll_begin(self) -> tuple[int, int]:
+        """(parity, operation index) of the operation being started; flips the parity."""
+        parity, op_index = self._ll_next_parity, self._ll_num_ops
+        self._ll_next_parity = parity ^ 1
+        self._ll_num_ops = op_index + 1
+        return parity, op_index
+
+    def _ll_run(
+        self,
+        operation: str,
+        send: Callable[[torch.cuda.Stream], None],
+        receive: Callable[[], None],
+        async_finish: bool,
+        return_recv_hook: bool,
+        keep_alive: tuple[torch.Tensor, ...],
+    ) -> tuple[EventOverlap | None, Callable[[], None] | None]:
+        compute = torch.cuda.current_stream()
+        if return_recv_hook:
+            send(compute)
+            self._ll_num_pending = self._ll_num_pending + 1
+            return None, _Hook(self, operation, receive)
+        if not async_finish:
+            send(compute)
+            receive()
+            return None, None
+        comm = self._comm_stream
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            send(comm)
+            receive()
+        event = torch.cuda.Event()
+        event.record(comm)
+        return EventOverlap(event, extra_tensors=keep_alive), None
+
+    def _ll_layout(self) -> dict:
+        layout = self.__dict__.get("_ll_layout_cache")
+        if layout is None:
+            layout = _C.low_latency_layout(
+                self.num_ranks, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_ll_topk
+            )
+            self.__dict__["_ll_layout_cache"] = layout
+        return layout
+
+    def _ll_views(self, parity: int) -> dict[str, torch.Tensor]:
+        """Zero-copy views of this rank's receive slots at ``parity`` (built once per buffer; both
+        parities at the first call, so a later CUDA-graph capture creates none)."""
+        cache = self.__dict__.setdefault("_ll_view_cache", {})
+        if not cache:
+            layout = self._ll_layout()
+            base = self._runtime.local_base()
+            device = self._ll_device()
+            num_local, num_slots = layout["num_local_experts"], self.num_ranks * self.num_max_dispatch_tokens_per_rank
+            hidden, groups = self.hidden, self.hidden // FP8_GROUP_SIZE
+            for area_parity in (0, 1):
+                area = self._window["ll_offset"] + area_parity * layout["parity_bytes"]
+                payload = area + layout["dispatch_payload_offset"]
+                headers = window_tensor(
+                    self, base, area + layout["dispatch_headers_offset"], (num_local, num_slots, 4), torch.int32, device
+                )
+                cache[area_parity] = {
+                    "x_bf16": window_tensor(
+                        self, base, payload, (num_local, num_slots, hidden), torch.bfloat16, device
+                    ),
+                    # The payload area is sized for bf16; fp8 rows use its first half, row stride H.
+                    "x_fp8": window_tensor(
+                        self, base, payload, (num_local, num_slots, hidden), torch.float8_e4m3fn, device
+                    ),
+                    "x_scales": window_tensor(
+                        self,
+                        base,
+                        area + layout["dispatch_scales_offset"],
+                        (num_local, num_slots, groups),
+                        torch.float32,
+                        device,
+                    ),
+                    "src_token": headers[..., 0],
+                    "topk_slot": headers[..., 1],
+                }
+        # Fresh tensor objects each call (same memory), so callers cannot alter each other's metadata.
+        return {name: view[...] for name, view in cache[parity].items()}
+
+    def _ll_device(self) -> torch.device:
+        return torch.device("cuda", self.device)
+
+    # --------------------------------------------------------------- validation
+
+    def _ll_check_settings(self, num_max_dispatch_tokens_per_rank: Any, num_experts: Any) -> None:
+        if self.num_max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(
+                "this buffer has no low-latency region: construct it with num_max_dispatch_tokens_per_rank > 0 "
+                "and num_experts"
+            )
+        if num_max_dispatch_tokens_per_rank != self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank must equal the buffer's ({self.num_max_dispatch_tokens_per_rank}), "
+                f"got {num_max_dispatch_tokens_per_rank!r}"
+            )
+        if num_experts != self.num_experts:
+            raise ValueError(f"num_experts must equal the buffer's ({self.num_experts}), got {num_experts!r}")
+
+    @staticmethod
+    def _ll_check_modes(async_finish: bool, return_recv_hook: bool) -> None:
+        if async_finish and return_recv_hook:
+            raise ValueError(
+                "async_finish=True and return_recv_hook=True cannot be combined: with a hook the receive phase "
+                "runs when hook() is called, so there is no finished operation for an event to mark"
+            )
+
+    def _ll_check_outstanding(self, operation: str) -> None:
+        if self._ll_num_pending >= MAX_OUTSTANDING:
+            raise RuntimeError(
+                f"at most two low-latency operations may be outstanding (the LL region is double buffered): "
+                f"{self._ll_num_pending} receive hooks are still uncalled; call one before {operation}"
+            )
+
+    def _ll_check_dispatch_inputs(self, x: Any, topk_idx: Any, device: torch.device) -> tuple[int, int]:
+        cap = self.num_max_dispatch_tokens_per_rank
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError(f"x must be bfloat16 [T, {self.hidden}], got {_describe(x)}")
+        num_tokens, hidden = x.shape
+        if hidden % FP8_GROUP_SIZE != 0:
+            raise ValueError(f"x hidden size must be a multiple of {FP8_GROUP_SIZE}, got H={hidden}")
+        if hidden != self.hidden:
+            raise ValueError(f"x must be bfloat16 [T, {self.hidden}] (the buffer's hidden), got {_describe(x)}")
+        if num_tokens > cap:
+            raise ValueError(
+                f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={cap} "
+                "(the low-latency cap the buffer was sized for)"
+            )
+        if x.device != device:
+            raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
+        if (
+            not isinstance(topk_idx, torch.Tensor)
+            or topk_idx.dtype != torch.int64
+            or topk_idx.dim() != 2
+            or topk_idx.shape[0] != num_tokens
+        ):
+            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K], got {_describe(topk_idx)}")
+        num_topk = topk_idx.shape[1]
+        if not 1 <= num_topk <= self.num_ll_topk:
+            raise ValueError(
+                f"topk_idx must have 1 <= K <= {self.num_ll_topk} (the low-latency top-k the buffer was sized for), "
+                f"got {_describe(topk_idx)}"
+            )
+        if topk_idx.device != device:
+            raise ValueError(f"topk_idx must be on {device} (the buffer's device), got {_describe(topk_idx)}")
+        return num_tokens, num_topk
+
+    def _ll_check_handle(self, handle: Any) -> None:
+        if not isinstance(handle, LowLatencyHandle):
+            raise ValueError(
+                f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle).__name__}"
+            )
+        if handle.owner_id != id(self):
+            raise ValueError("handle comes from a low_latency_dispatch of another buffer")
+        if not handle.received:
+            raise RuntimeError(
+                "the dispatch of this handle has not received yet: call its hook before low_latency_combine"
+            )
+        distance = self._ll_num_ops - handle.op_index
+        if distance > MAX_COMBINE_DISTANCE:
+            raise RuntimeError(
+                f"handle is stale: {distance - 1} low-latency operations ran since its dispatch, whose receive "
+                f"area has been reused; low_latency_combine must be at most the {MAX_COMBINE_DISTANCE}nd LL "
+                "operation after the dispatch"
+            )
+
+    def _ll_check_combine_inputs(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: LowLatencyHandle,
+        out: Any,
+        device: torch.device,
+    ) -> None:
+        num_local = self._ll_layout()["num_local_experts"]
+        expected = [num_local, self.num_ranks * self.num_max_dispatch_tokens_per_rank, self.hidden]
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or list(x.shape) != expected:
+            raise ValueError(f"x must be bfloat16 {expected} (like the dispatch's recv_x), got {_describe(x)}")
+        if x.device != device:
+            raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
+        shape = [handle.num_tokens, handle.num_topk]
+        for name, tensor, dtype in (("topk_idx", topk_idx, torch.int64), ("topk_weights", topk_weights, torch.float32)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or list(tensor.shape) != shape:
+                raise ValueError(
+                    f"{name} must be {str(dtype).removeprefix('torch.')} {shape} (the dispatch's T and K), "
+                    f"got {_describe(tensor)}"
+                )
+            if tensor.device != device:
+                raise ValueError(f"{name} must be on {device} (the buffer's device), got {_describe(tensor)}")
+        if out is not None:
+            out_shape = [handle.num_tokens, self.hidden]
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or list(out.shape) != out_shape:
+                raise ValueError(f"out must be bfloat16 {out_shape}, got {_describe(out)}")
+            if out.device != device or not out.is_contiguous() or out.data_ptr() % _ROW_ALIGNMENT != 0:
+                raise ValueError(
+                    f"out must be contiguous, 16-byte aligned and on {device} (the buffer's device), "
+                    f"got {_describe(out)}"
+                )

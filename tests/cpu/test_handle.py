@@ -1,0 +1,49 @@
+"""EPHandle: the stats view and the tensors it keeps alive (no GPU needed)."""
+
+import torch
+
+from deep_ep.handle import EPHandle
+
+
+def _handle(do_expand: bool) -> EPHandle:
+    counts = torch.arange(20, dtype=torch.int32)
+    return EPHandle(
+        do_expand=do_expand,
+        num_experts=8,
+        expert_alignment=1,
+        num_max_tokens_per_rank=16,
+        num_sms=4,
+        topk_idx=torch.zeros(3, 2, dtype=torch.int64),
+        num_recv_tokens=5,
+        num_expanded_tokens=6,
+        num_recv_tokens_per_expert_list=[2, 4, 0, 0],
+        psum_num_recv_tokens_per_scaleup_rank=counts[2:4],
+        psum_num_recv_tokens_per_expert=counts[16:20],
+        num_unaligned_recv_tokens_per_expert=counts[8:12],
+        recv_src_metadata=torch.zeros(5, 3, dtype=torch.int32),
+        dst_buffer_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
+        num_ranks=2,
+        num_tokens=3,
+        num_topk=2,
+        is_exact=True,
+        expert_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
+        num_recv_tokens_per_scaleup_rank=counts[0:2],
+        expert_offsets_per_source=counts[4:8].view(2, 2),
+        expert_start=counts[12:16],
+        recv_expanded_row_idx=torch.zeros(5, 2, dtype=torch.int32) if do_expand else None,
+        counts=counts,
+    )
+
+
+def test_stats_are_the_per_source_and_per_expert_count_views():
+    handle = _handle(do_expand=False)
+    assert handle.stats["tokens_per_source_rank"].tolist() == [0, 1]
+    assert handle.stats["tokens_per_local_expert"].tolist() == [8, 9, 10, 11]
+    assert handle.num_local_experts == 4
+
+
+def test_tensors_lists_every_owned_device_tensor_once():
+    plain, expanded = _handle(do_expand=False), _handle(do_expand=True)
+    assert len(plain.tensors()) == 5
+    assert len(expanded.tensors()) == 6
+    assert any(tensor is expanded.recv_expanded_row_idx for tensor in expanded.tensors())

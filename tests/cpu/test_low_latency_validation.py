@@ -1,0 +1,192 @@
+"""LowLatencyMixin argument validation, without a GPU.
+
+A small stand-in for ElasticBuffer carries the attributes the mixin reads; every call below must
+raise before it reaches a kernel launch (the stand-in has no runtime, so reaching one would fail
+with AttributeError instead of the asserted error).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deep_ep.low_latency import LowLatencyHandle, LowLatencyMixin
+
+CAP = 16
+HIDDEN = 256
+NUM_RANKS = 2
+NUM_EXPERTS = 8
+LL_TOPK = 4
+NUM_LOCAL = NUM_EXPERTS // NUM_RANKS
+
+
+class FakeBuffer(LowLatencyMixin):
+    """The attributes ElasticBuffer gives the mixin; tensors live on the CPU."""
+
+    def __init__(self) -> None:
+        self.num_ranks = NUM_RANKS
+        self.hidden = HIDDEN
+        self.device = 0
+        self.num_max_dispatch_tokens_per_rank = CAP
+        self.num_experts = NUM_EXPERTS
+        self.num_ll_topk = LL_TOPK
+        self._max_num_sms = 4
+
+    def _ensure_usable(self) -> None:
+        pass
+
+    def _check_device_errors(self) -> None:
+        pass
+
+    def _ll_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _x(num_tokens: int = 4, hidden: int = HIDDEN, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.ones(num_tokens, hidden, dtype=dtype)
+
+
+def _idx(num_tokens: int = 4, num_topk: int = LL_TOPK, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.zeros(num_tokens, num_topk, dtype=dtype)
+
+
+def _handle(buffer: FakeBuffer, *, num_tokens: int = 4, received: bool = True, op_index: int = 0) -> LowLatencyHandle:
+    empty = torch.empty(0, dtype=torch.int32)
+    return LowLatencyHandle(
+        owner_id=id(buffer),
+        parity=0,
+        op_index=op_index,
+        num_tokens=num_tokens,
+        num_topk=LL_TOPK,
+        num_max_dispatch_tokens_per_rank=CAP,
+        hidden=HIDDEN,
+        num_experts=NUM_EXPERTS,
+        use_fp8=True,
+        recv_count=empty,
+        count_per_source=empty,
+        recv_src_token=empty,
+        recv_topk_slot=empty,
+        received=received,
+    )
+
+
+def _combine_x() -> torch.Tensor:
+    return torch.zeros(NUM_LOCAL, NUM_RANKS * CAP, HIDDEN, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("x", "topk_idx", "words"),
+    [
+        (_x(CAP + 1), _idx(CAP + 1), ["17 tokens", f"num_max_dispatch_tokens_per_rank={CAP}"]),
+        (_x(hidden=200), _idx(), ["multiple of 128", "H=200"]),
+        (_x(hidden=HIDDEN + 128), _idx(), ["the buffer's hidden", "384"]),
+        (_x(dtype=torch.float32), _idx(), ["bfloat16", "float32"]),
+        (torch.ones(4, 2, HIDDEN, dtype=torch.bfloat16), _idx(), ["bfloat16 [T, 256]"]),
+        (_x(), _idx(dtype=torch.int32), ["int64", "int32 [4, 4]"]),
+        (_x(), _idx(num_tokens=3), ["int64 [4, K]", "[3, 4]"]),
+        (_x(), _idx(num_topk=LL_TOPK + 1), ["1 <= K <= 4", "low-latency top-k"]),
+    ],
+    ids=["too_many_tokens", "hidden_not_128", "hidden_not_buffers", "x_dtype", "x_rank", "idx_dtype", "idx_rows", "k"],
+)
+def test_dispatch_rejects_bad_inputs_naming_the_rule(x: torch.Tensor, topk_idx: torch.Tensor, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        FakeBuffer().low_latency_dispatch(x, topk_idx, CAP, NUM_EXPERTS)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_dispatch_requires_the_buffers_cap_and_expert_count() -> None:
+    buffer = FakeBuffer()
+    with pytest.raises(
+        ValueError, match=rf"num_max_dispatch_tokens_per_rank must equal the buffer's \({CAP}\), got 32"
+    ):
+        buffer.low_latency_dispatch(_x(), _idx(), 32, NUM_EXPERTS)
+    with pytest.raises(ValueError, match=rf"num_experts must equal the buffer's \({NUM_EXPERTS}\), got 16"):
+        buffer.low_latency_dispatch(_x(), _idx(), CAP, 16)
+
+
+def test_dispatch_without_low_latency_region_raises() -> None:
+    buffer = FakeBuffer()
+    buffer.num_max_dispatch_tokens_per_rank = 0
+    with pytest.raises(ValueError, match="no low-latency region"):
+        buffer.low_latency_dispatch(_x(), _idx(), 0, NUM_EXPERTS)
+
+
+@pytest.mark.parametrize("option", ["round_scale", "use_ue8m0"])
+def test_unimplemented_dispatch_options_raise(option: str) -> None:
+    with pytest.raises(ValueError, match=f"{option}=True .* not implemented"):
+        FakeBuffer().low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS, **{option: True})
+
+
+def test_async_finish_and_hook_together_are_rejected() -> None:
+    buffer = FakeBuffer()
+    with pytest.raises(ValueError, match="cannot be combined"):
+        buffer.low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        buffer.low_latency_combine(
+            _combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer), async_finish=True, return_recv_hook=True
+        )
+
+
+def test_a_third_outstanding_operation_raises_naming_the_rule() -> None:
+    buffer = FakeBuffer()
+    buffer._ll_num_pending = 2
+    with pytest.raises(RuntimeError, match="at most two low-latency operations may be outstanding"):
+        buffer.low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="at most two low-latency operations may be outstanding"):
+        buffer.low_latency_combine(_combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer))
+
+
+def test_combine_rejects_zero_copy() -> None:
+    buffer = FakeBuffer()
+    with pytest.raises(ValueError, match="zero_copy=True .* not implemented"):
+        buffer.low_latency_combine(_combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer), zero_copy=True)
+
+
+def test_combine_rejects_foreign_unreceived_and_stale_handles() -> None:
+    buffer, other = FakeBuffer(), FakeBuffer()
+    args = (_combine_x(), _idx(), torch.zeros(4, LL_TOPK))
+    with pytest.raises(ValueError, match="LowLatencyHandle"):
+        buffer.low_latency_combine(*args, handle=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="another buffer"):
+        buffer.low_latency_combine(*args, handle=_handle(other))
+    with pytest.raises(RuntimeError, match="call its hook"):
+        buffer.low_latency_combine(*args, handle=_handle(buffer, received=False))
+    buffer._ll_num_ops = 3
+    with pytest.raises(RuntimeError, match="stale"):
+        buffer.low_latency_combine(*args, handle=_handle(buffer, op_index=0))
+
+
+@pytest.mark.parametrize(
+    ("x", "topk_idx", "weights", "out", "words"),
+    [
+        (_combine_x()[:, :-1], _idx(), torch.zeros(4, LL_TOPK), None, ["x must be bfloat16 [4, 32, 256]"]),
+        (_combine_x().float(), _idx(), torch.zeros(4, LL_TOPK), None, ["x must be bfloat16"]),
+        (_combine_x(), _idx(num_tokens=5), torch.zeros(5, LL_TOPK), None, ["topk_idx must be int64 [4, 4]"]),
+        (_combine_x(), _idx(), torch.zeros(4, LL_TOPK, dtype=torch.float64), None, ["topk_weights must be float32"]),
+        (_combine_x(), _idx(), torch.zeros(4, LL_TOPK), torch.empty(4, HIDDEN), ["out must be bfloat16 [4, 256]"]),
+        (
+            _combine_x(),
+            _idx(),
+            torch.zeros(4, LL_TOPK),
+            torch.empty(HIDDEN, 4, dtype=torch.bfloat16).t(),
+            ["out must be contiguous"],
+        ),
+    ],
+    ids=["x_shape", "x_dtype", "idx_rows", "weights_dtype", "out_dtype", "out_strides"],
+)
+def test_combine_rejects_bad_inputs_naming_the_rule(
+    x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None, words: list[str]
+) -> None:
+    buffer = FakeBuffer()
+    with pytest.raises(ValueError) as info:
+        buffer.low_latency_combine(x, topk_idx, weights, _handle(buffer), out=out)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_tensors_on_another_device_are_rejected() -> None:
+    buffer = FakeBuffer()
+    buffer._ll_device = lambda: torch.device("cuda", 0)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="x must be on cuda:0"):
+        buffer.low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS)

@@ -1,0 +1,647 @@
+"""Low-latency dispatch and combine on the GPU, compared with deep_ep.testing.reference.
+
+One launch per rank count runs every scenario (spawning ranks costs seconds) and returns what each
+rank saw; the tests below assert on those results. Every eager LL call runs under
+torch.cuda.set_sync_debug_mode("error"), so a host synchronisation anywhere in the path fails.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import deep_ep
+from deep_ep.fp8 import per_token_cast_back
+from deep_ep.testing import launch
+from deep_ep.testing.data import make_group_inputs
+from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
+
+GPU_TIMEOUT_SECS = 60  # a protocol bug fails the run in a minute instead of hanging it
+GRAPH_REPLAYS = 200
+GRAPH_INPUT_SETS = 5
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    num_max_tokens: int  # T_ll
+    hidden: int
+    num_experts: int | None  # None: one expert per rank (E = R)
+    num_topk: int
+    with_high_throughput: bool = False
+
+    def experts(self, num_ranks: int) -> int:
+        return num_ranks if self.num_experts is None else self.num_experts
+
+    def topk(self, num_ranks: int) -> int:
+        return min(self.num_topk, self.experts(num_ranks))
+
+
+@dataclass(frozen=True)
+class Case:
+    num_tokens: int  # the cap of this case: ranks get uneven counts in [0, num_tokens]
+    use_fp8: bool
+    mode: str  # "direct", "hook" or "async"
+    num_topk: int | None = None  # None: the buffer's
+    hot_expert: bool = False  # every token selects expert 1 (or 0 when E == 1)
+
+
+# T in {0, 1, 17, T_ll}, T_ll in {128, 256}, H in {2048, 4096, 7168}, K in {1, 8}, E in {R, 64, 288}.
+SPECS: list[tuple[BufferSpec, list[Case]]] = [
+    (
+        BufferSpec("E288_H7168", 128, 7168, 288, 8),
+        [
+            Case(0, True, "direct"),
+            Case(1, True, "hook"),
+            Case(17, True, "direct"),
+            Case(128, True, "hook"),
+            Case(128, False, "direct"),
+            Case(17, False, "async"),
+            Case(128, True, "direct", hot_expert=True),
+            Case(17, True, "direct", num_topk=1),
+        ],
+    ),
+    (
+        BufferSpec("E64_H2048", 256, 2048, 64, 8),
+        [
+            Case(0, False, "hook"),
+            Case(1, False, "direct"),
+            Case(17, True, "async"),
+            Case(256, True, "direct"),
+            Case(256, False, "hook"),
+            Case(256, False, "direct", hot_expert=True),
+            Case(17, False, "hook", num_topk=1),
+        ],
+    ),
+    (
+        BufferSpec("ER_H4096", 128, 4096, None, 8, with_high_throughput=True),
+        [
+            Case(1, True, "direct"),
+            Case(17, False, "hook"),
+            Case(128, True, "hook"),
+            Case(128, False, "direct", num_topk=1),
+        ],
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int) -> deep_ep.ElasticBuffer:
+    return deep_ep.ElasticBuffer(
+        group,
+        num_max_tokens_per_rank=spec.num_max_tokens if spec.with_high_throughput else 0,
+        hidden=spec.hidden,
+        num_topk=spec.topk(num_ranks),
+        num_max_dispatch_tokens_per_rank=spec.num_max_tokens,
+        num_experts=spec.experts(num_ranks),
+        num_gpu_timeout_secs=GPU_TIMEOUT_SECS,
+        explicitly_destroy=True,
+    )
+
+
+def _expert_outputs(recv_x: Any, use_fp8: bool) -> torch.Tensor:
+    """A deterministic 'expert': dequantise, then scale local expert l by (l % 3 + 1) in bf16.
+
+    Same arithmetic on the reference's tensors and on the kernels' views, so a bitwise-correct
+    dispatch gives bitwise-identical combine inputs on the valid rows."""
+    y = per_token_cast_back(*recv_x) if use_fp8 else recv_x
+    factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
+    return y * factors.view(-1, 1, 1)
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+@dataclass
+class Expected:
+    """This rank's part of the reference: dispatch result dict and combine output."""
+
+    dispatch: dict
+    combined: torch.Tensor
+
+
+def _inputs_and_reference(
+    rank: int,
+    num_ranks: int,
+    spec: BufferSpec,
+    num_tokens: int,
+    num_topk: int,
+    use_fp8: bool,
+    seed: int,
+    hot_expert: bool = False,
+    uneven: bool = True,
+) -> tuple[Inputs, Expected]:
+    device = _device()
+    num_experts = spec.experts(num_ranks)
+    kwargs: dict[str, Any] = {}
+    if hot_expert:
+        kwargs = {"hot_expert": min(1, num_experts - 1), "hot_ratio": 1.0, "all_minus_one_tokens": 0}
+    data = make_group_inputs(
+        num_ranks,
+        num_tokens,
+        spec.hidden,
+        num_experts,
+        num_topk,
+        seed=seed,
+        uneven=uneven and num_tokens > 0,
+        **kwargs,
+    )
+    xs = [x.to(device) for x in data.x]
+    idxs = [idx.to(device) for idx in data.topk_idx]
+    weights = [w.to(device) for w in data.topk_weights]
+    results = ll_dispatch(xs, idxs, num_experts, spec.num_max_tokens, use_fp8=use_fp8)
+    ys = []
+    for dest, result in enumerate(results):
+        ys.append(_expert_outputs((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
+        if dest != rank:  # ll_combine only needs src_token of the other ranks: free the payloads
+            result["x"] = result["x_scales"] = None
+    combined = ll_combine(results, ys, idxs, weights, num_experts, spec.num_max_tokens)[rank]
+    inputs = Inputs(xs[rank], idxs[rank], weights[rank])
+    return inputs, Expected(results[rank], combined)
+
+
+class NoHostSync:
+    """set_sync_debug_mode('error') for the LL calls only (the reference and the checks sync)."""
+
+    def __enter__(self) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@dataclass
+class Observed:
+    """Snapshot of one dispatch + combine (recv_x is a window view: copied before the next op)."""
+
+    recv_x: Any
+    recv_count: torch.Tensor
+    count_per_source: torch.Tensor
+    src_token: torch.Tensor
+    topk_slot: torch.Tensor
+    combined: torch.Tensor | None = None
+
+
+def _snapshot(recv_x: Any, recv_count: torch.Tensor, handle: Any) -> Observed:
+    copied = tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()
+    return Observed(
+        copied,
+        recv_count.clone(),
+        handle.count_per_source.clone(),
+        handle.recv_src_token.clone(),
+        handle.recv_topk_slot.clone(),
+    )
+
+
+def _dispatch(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str) -> tuple[Any, Any, Any]:
+    with NoHostSync():
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            inputs.x,
+            inputs.topk_idx,
+            spec.num_max_tokens,
+            buffer.num_experts,
+            use_fp8=use_fp8,
+            async_finish=mode == "async",
+            return_recv_hook=mode == "hook",
+        )
+        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
+        if hook is not None:
+            hook()
+        if event is not None:
+            event.current_stream_wait()
+    return recv_x, recv_count, handle
+
+
+def _combine(buffer: Any, y: torch.Tensor, inputs: Inputs, handle: Any, mode: str, out: Any = None) -> torch.Tensor:
+    with NoHostSync():
+        combined, event, hook = buffer.low_latency_combine(
+            y,
+            inputs.topk_idx,
+            inputs.topk_weights,
+            handle,
+            async_finish=mode == "async",
+            return_recv_hook=mode == "hook",
+            out=out,
+        )
+        if hook is not None:
+            hook()
+        if event is not None:
+            event.current_stream_wait()
+    return combined
+
+
+def _round_trip(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str) -> Observed:
+    recv_x, recv_count, handle = _dispatch(buffer, spec, inputs, use_fp8, mode)
+    observed = _snapshot(recv_x, recv_count, handle)
+    out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
+    observed.combined = _combine(buffer, _expert_outputs(recv_x, use_fp8), inputs, handle, mode, out=out)
+    if observed.combined.data_ptr() != out.data_ptr():
+        raise AssertionError("low_latency_combine(out=...) did not return the given tensor")
+    return observed
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    views = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return tensor.view(views[tensor.dtype]) if tensor.dtype in views else tensor
+
+
+def _compare(label: str, observed: Observed, expected: Expected, use_fp8: bool) -> list[str]:
+    """Mismatch descriptions (empty when everything is bitwise equal on the valid rows)."""
+    mine = expected.dispatch
+    valid = ll_valid_row_mask(mine)
+    failures = []
+
+    def check(name: str, actual: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        # Compared as raw bits (fp8 has no comparison kernels), on the valid rows when given.
+        actual, wanted = _bits(actual), _bits(wanted)
+        if rows is not None:
+            actual, wanted = actual[rows], wanted[rows]
+        if actual.shape != wanted.shape or not torch.equal(actual, wanted):
+            diff = "shape" if actual.shape != wanted.shape else int((actual != wanted).sum())
+            failures.append(f"{label}: {name} differs ({diff} elements)")
+
+    check("recv_count", observed.recv_count, mine["count"])
+    check("count_per_source", observed.count_per_source, mine["count_per_source"])
+    check("src_token", observed.src_token.long(), mine["src_token"], valid)
+    check("topk_slot", observed.topk_slot.long(), mine["topk_slot"], valid)
+    if use_fp8:
+        fp8, scales = observed.recv_x
+        check("recv_x fp8", fp8, mine["x"], valid)
+        check("recv_x scales", scales, mine["x_scales"], valid)
+    else:
+        check("recv_x bf16", observed.recv_x, mine["x"], valid)
+    if observed.combined is not None:
+        check("combined_x", observed.combined, expected.combined)
+    return failures
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[str | None, str]:
+    """(exception type name, message) of what fn raised, or (None, '')."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
+# ---------------------------------------------------------------------------------- scenarios
+
+
+def _reference_cases(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, cases: list[Case]) -> dict:
+    results: dict[str, list[str]] = {}
+    for index, case in enumerate(cases):
+        num_topk = case.num_topk or spec.topk(num_ranks)
+        label = (
+            f"{spec.name} T<={case.num_tokens} K={num_topk} {'fp8' if case.use_fp8 else 'bf16'} {case.mode}"
+            f"{' hot' if case.hot_expert else ''}"
+        )
+        seed = 1000 * (SPECS.index((spec, cases)) + 1) + index
+        inputs, expected = _inputs_and_reference(
+            rank, num_ranks, spec, case.num_tokens, num_topk, case.use_fp8, seed, case.hot_expert
+        )
+        observed = _round_trip(buffer, spec, inputs, case.use_fp8, case.mode)
+        failures = _compare(label, observed, expected, case.use_fp8)
+        if case.mode != "direct":
+            # The same inputs once more without hook/event: the modes must agree bit for bit.
+            direct = _round_trip(buffer, spec, inputs, case.use_fp8, "direct")
+            failures += _compare(f"{label} (direct rerun)", direct, expected, case.use_fp8)
+        results[label] = failures
+        del inputs, expected, observed
+        torch.cuda.empty_cache()
+    return results
+
+
+def _outstanding(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
+    """Two hooks pending work; a third operation raises; a hook called twice raises."""
+    num_topk = spec.topk(num_ranks)
+    cases = [
+        _inputs_and_reference(rank, num_ranks, spec, spec.num_max_tokens, num_topk, use_fp8, seed)
+        for use_fp8, seed in ((True, 71), (False, 72), (True, 73))
+    ]
+    pending = []
+    with NoHostSync():
+        for (inputs, _), use_fp8 in zip(cases[:2], (True, False), strict=True):
+            recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+                inputs.x,
+                inputs.topk_idx,
+                spec.num_max_tokens,
+                buffer.num_experts,
+                use_fp8=use_fp8,
+                return_recv_hook=True,
+            )
+            pending.append((recv_x, recv_count, handle, hook))
+    third = _capture(
+        lambda: buffer.low_latency_dispatch(
+            cases[2][0].x, cases[2][0].topk_idx, spec.num_max_tokens, buffer.num_experts, return_recv_hook=True
+        )
+    )
+    with NoHostSync():
+        for *_, hook in pending:
+            hook()
+    twice = _capture(pending[0][3])
+    failures = []
+    observed = [_snapshot(recv_x, recv_count, handle) for recv_x, recv_count, handle, _ in pending]
+    combine_hooks = []
+    with NoHostSync():
+        for (recv_x, _, handle, _), (inputs, _), use_fp8 in zip(pending, cases[:2], (True, False), strict=True):
+            y = _expert_outputs(recv_x, use_fp8)
+            combined, _, hook = buffer.low_latency_combine(
+                y, inputs.topk_idx, inputs.topk_weights, handle, return_recv_hook=True
+            )
+            combine_hooks.append((combined, hook))
+        for _, hook in combine_hooks:
+            hook()
+    for index, ((_, expected), use_fp8) in enumerate(zip(cases[:2], (True, False), strict=True)):
+        observed[index].combined = combine_hooks[index][0]
+        failures += _compare(f"outstanding op {index}", observed[index], expected, use_fp8)
+    return {"third": third, "twice": twice, "failures": failures}
+
+
+def _bad_inputs(buffer: Any, spec: BufferSpec) -> dict:
+    """Every bad call must raise before launching anything (no rank is left waiting)."""
+    device = _device()
+    cap, hidden, num_experts = spec.num_max_tokens, spec.hidden, buffer.num_experts
+    num_topk = buffer.num_ll_topk
+    x = torch.randn(4, hidden, device=device).to(torch.bfloat16)
+    idx = torch.zeros(4, num_topk, dtype=torch.int64, device=device)
+    dispatch = buffer.low_latency_dispatch
+    calls = {
+        "too_many_tokens": lambda: dispatch(
+            torch.zeros(cap + 1, hidden, dtype=torch.bfloat16, device=device),
+            torch.zeros(cap + 1, num_topk, dtype=torch.int64, device=device),
+            cap,
+            num_experts,
+        ),
+        "hidden_not_multiple_of_128": lambda: dispatch(x[:, :100], idx, cap, num_experts),
+        "x_hidden_not_buffer_hidden": lambda: dispatch(
+            torch.zeros(4, hidden + 128, dtype=torch.bfloat16, device=device), idx, cap, num_experts
+        ),
+        "x_dtype": lambda: dispatch(x.float(), idx, cap, num_experts),
+        "topk_idx_dtype": lambda: dispatch(x, idx.int(), cap, num_experts),
+        "topk_idx_shape": lambda: dispatch(x, idx[:3], cap, num_experts),
+        "topk_too_wide": lambda: dispatch(
+            x, torch.zeros(4, num_topk + 1, dtype=torch.int64, device=device), cap, num_experts
+        ),
+        "num_experts_mismatch": lambda: dispatch(x, idx, cap, num_experts + buffer.num_ranks),
+        "cap_mismatch": lambda: dispatch(x, idx, cap + 1, num_experts),
+        "round_scale": lambda: dispatch(x, idx, cap, num_experts, round_scale=True),
+        "use_ue8m0": lambda: dispatch(x, idx, cap, num_experts, use_ue8m0=True),
+        "async_and_hook": lambda: dispatch(x, idx, cap, num_experts, async_finish=True, return_recv_hook=True),
+    }
+    return {name: _capture(call) for name, call in calls.items()}
+
+
+def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
+    inputs, _ = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 91, uneven=False)
+    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
+    y = _expert_outputs(recv_x, True)
+    combine = buffer.low_latency_combine
+    calls = {
+        "zero_copy": lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle, zero_copy=True),
+        "x_shape": lambda: combine(y[:, :-1], inputs.topk_idx, inputs.topk_weights, handle),
+        "weights_dtype": lambda: combine(y, inputs.topk_idx, inputs.topk_weights.double(), handle),
+        "out_shape": lambda: combine(
+            y, inputs.topk_idx, inputs.topk_weights, handle, out=torch.empty(1, spec.hidden, device=y.device)
+        ),
+        "not_a_handle": lambda: combine(y, inputs.topk_idx, inputs.topk_weights, object()),
+    }
+    results = {name: _capture(call) for name, call in calls.items()}
+    # The valid combine still answers the dispatch (every rank issues it: the protocol stays in step).
+    _combine(buffer, y, inputs, handle, "direct")
+    return results
+
+
+def _invalid_expert(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
+    """An id >= E is treated as -1 and reported as ValueError at the next host check."""
+    inputs, _ = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 92, uneven=False)
+    bad = inputs.topk_idx.clone()
+    bad[0, 0] = buffer.num_experts + 5
+    inputs_bad = Inputs(inputs.x, bad, inputs.topk_weights)
+    recv_x, _, handle = _dispatch(buffer, spec, inputs_bad, True, "direct")
+    torch.cuda.synchronize()
+    after_dispatch = _capture(buffer._check_device_errors)
+    _combine(buffer, _expert_outputs(recv_x, True), inputs_bad, handle, "direct")
+    torch.cuda.synchronize()
+    _capture(buffer._check_device_errors)  # the combine saw the same id: clear it
+    # The buffer stays usable: a clean round trip still matches the reference.
+    clean_inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, spec.topk(num_ranks), True, 93)
+    failures = _compare("after invalid id", _round_trip(buffer, spec, clean_inputs, True, "direct"), expected, True)
+    return {"after_dispatch": after_dispatch, "failures": failures}
+
+
+def _interleave_with_high_throughput(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str]:
+    """LL dispatch (hook pending), a full HT dispatch + combine, then the LL receive and combine."""
+    inputs, expected = _inputs_and_reference(rank, num_ranks, spec, spec.num_max_tokens, spec.topk(num_ranks), True, 94)
+    with NoHostSync():
+        recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            inputs.x, inputs.topk_idx, spec.num_max_tokens, buffer.num_experts, return_recv_hook=True
+        )
+    ht_x, _, _, ht_handle, _ = buffer.dispatch(
+        inputs.x, inputs.topk_idx, inputs.topk_weights, num_experts=buffer.num_experts
+    )
+    buffer.combine(ht_x, ht_handle)
+    with NoHostSync():
+        hook()
+    observed = _snapshot(recv_x, recv_count, handle)
+    observed.combined = _combine(buffer, _expert_outputs(recv_x, True), inputs, handle, "direct")
+    failures = _compare("interleaved with HT", observed, expected, True)
+    # And an LL round trip right after HT traffic.
+    inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, spec.topk(num_ranks), False, 95)
+    buffer.dispatch(inputs.x, inputs.topk_idx, inputs.topk_weights, num_experts=buffer.num_experts)
+    failures += _compare("after HT", _round_trip(buffer, spec, inputs, False, "direct"), expected, False)
+    return failures
+
+
+def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_hook: bool) -> list[str]:
+    """Capture dispatch + combine once, replay with fresh inputs copied in, check every replay."""
+    num_topk = spec.topk(num_ranks)
+    sets = [
+        _inputs_and_reference(rank, num_ranks, spec, spec.num_max_tokens, num_topk, True, 200 + i, uneven=False)
+        for i in range(GRAPH_INPUT_SETS)
+    ]
+    static = Inputs(sets[0][0].x.clone(), sets[0][0].topk_idx.clone(), sets[0][0].topk_weights.clone())
+    failures = _compare("graph warm-up", _round_trip(buffer, spec, static, True, "direct"), sets[0][1], True)
+
+    mode = "hook" if with_hook else "direct"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, recv_count, handle = _dispatch(buffer, spec, static, True, mode)
+        combined = _combine(buffer, _expert_outputs(recv_x, True), static, handle, mode)
+    mismatches = torch.zeros(GRAPH_INPUT_SETS, dtype=torch.int64, device=static.x.device)
+    for replay in range(GRAPH_REPLAYS):
+        index = replay % GRAPH_INPUT_SETS
+        inputs, expected = sets[index]
+        static.x.copy_(inputs.x)
+        static.topk_idx.copy_(inputs.topk_idx)
+        static.topk_weights.copy_(inputs.topk_weights)
+        graph.replay()
+        mine = expected.dispatch
+        valid = ll_valid_row_mask(mine).unsqueeze(-1)
+        wrong = (recv_count != mine["count"]).sum()
+        wrong += ((_bits(recv_x[0]) != _bits(mine["x"])) & valid).sum()
+        wrong += ((_bits(recv_x[1]) != _bits(mine["x_scales"])) & valid).sum()
+        wrong += (_bits(combined) != _bits(expected.combined)).sum()
+        mismatches[index] += wrong
+    counts = mismatches.tolist()
+    failures += [f"graph replays of input set {i}: {n} wrong elements" for i, n in enumerate(counts) if n]
+    del graph
+    return failures
+
+
+def _guarded(results: dict, name: str, fn: Callable[[], Any]) -> None:
+    """Run one scenario; an exception is recorded (with its traceback) instead of ending the rank.
+
+    Only for scenarios that raise before or after, never in the middle of, a collective kernel."""
+    try:
+        results[name] = fn()
+    except Exception:  # noqa: BLE001 - reported by the test that reads this scenario
+        results[name] = {"exception": traceback.format_exc()}
+
+
+def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
+    results: dict[str, Any] = {}
+    for spec, cases in SPECS:
+        buffer = _make_buffer(group, spec, num_ranks)
+        try:
+            results.setdefault("reference", {}).update(_reference_cases(buffer, rank, num_ranks, spec, cases))
+            # Synchronises: every LL kernel so far must have left the workspace scratch at zero.
+            results.setdefault("dirty_workspace_bytes", {})[spec.name] = buffer._debug_count_dirty_workspace_bytes()
+            if spec.name == "E64_H2048":
+                results["graph"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=False)
+                results["graph_hook"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=True)
+            if spec.with_high_throughput:
+                results["outstanding"] = _outstanding(buffer, rank, num_ranks, spec)
+                _guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
+                results["bad_combine"] = _bad_combine_inputs(buffer, rank, num_ranks, spec)
+                results["invalid_expert"] = _invalid_expert(buffer, rank, num_ranks, spec)
+                results["interleave"] = _interleave_with_high_throughput(buffer, rank, num_ranks, spec)
+        finally:
+            buffer.destroy()
+        torch.cuda.empty_cache()
+    return results
+
+
+# ------------------------------------------------------------------------------------- tests
+
+_RESULTS: dict[int, Any] = {}
+
+
+@pytest.fixture
+def ll_results(num_ranks: int) -> list[dict]:
+    """Per-rank results of the whole scenario list, run once per rank count."""
+    if num_ranks not in _RESULTS:
+        try:
+            _RESULTS[num_ranks] = launch(_rank_main, num_ranks)
+        except Exception as exc:  # noqa: BLE001 - every test of this rank count reports it
+            _RESULTS[num_ranks] = exc
+    value = _RESULTS[num_ranks]
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def _all_failures(ll_results: list[dict], key: str) -> list[str]:
+    failures = []
+    for rank, result in enumerate(ll_results):
+        value = result[key]
+        if isinstance(value, dict) and "exception" in value:
+            failures.append(f"rank {rank}: {value['exception']}")
+            continue
+        items = value.values() if isinstance(value, dict) else [value]
+        for item in items:
+            failures += [f"rank {rank}: {failure}" for failure in item]
+    return failures
+
+
+def test_dispatch_and_combine_match_reference_bitwise(ll_results: list[dict]) -> None:
+    """Every case: counts, received rows, scales, headers and the combine output, bit for bit; the
+    hook / async cases also rerun directly and must agree."""
+    failures = _all_failures(ll_results, "reference")
+    assert not failures, "\n".join(failures)
+
+
+def test_workspace_scratch_is_zero_after_low_latency_operations(ll_results: list[dict]) -> None:
+    for rank, result in enumerate(ll_results):
+        dirty = result["dirty_workspace_bytes"]
+        assert all(count == 0 for count in dirty.values()), (rank, dirty)
+
+
+def test_cuda_graph_replays_match_reference(ll_results: list[dict]) -> None:
+    failures = _all_failures(ll_results, "graph")
+    assert not failures, "\n".join(failures)
+
+
+def test_cuda_graph_with_hooks_replays_match_reference(ll_results: list[dict]) -> None:
+    failures = _all_failures(ll_results, "graph_hook")
+    assert not failures, "\n".join(failures)
+
+
+def test_two_outstanding_hooks_work_and_a_third_operation_raises(ll_results: list[dict]) -> None:
+    for rank, result in enumerate(ll_results):
+        outstanding = result["outstanding"]
+        assert not outstanding["failures"], f"rank {rank}: " + "\n".join(outstanding["failures"])
+        kind, message = outstanding["third"]
+        assert kind == "RuntimeError" and "at most two low-latency operations" in message, (rank, kind, message)
+
+
+def test_calling_a_hook_twice_raises(ll_results: list[dict]) -> None:
+    for rank, result in enumerate(ll_results):
+        kind, message = result["outstanding"]["twice"]
+        assert kind == "RuntimeError" and "already called" in message, (rank, kind, message)
+
+
+def test_bad_dispatch_inputs_raise_value_error_naming_the_rule(ll_results: list[dict]) -> None:
+    expected_words = {
+        "too_many_tokens": "num_max_dispatch_tokens_per_rank",
+        "hidden_not_multiple_of_128": "multiple of 128",
+        "x_hidden_not_buffer_hidden": "hidden",
+        "x_dtype": "bfloat16",
+        "topk_idx_dtype": "int64",
+        "topk_idx_shape": "topk_idx",
+        "topk_too_wide": "top-k",
+        "num_experts_mismatch": "num_experts",
+        "cap_mismatch": "num_max_dispatch_tokens_per_rank",
+        "round_scale": "not implemented",
+        "use_ue8m0": "not implemented",
+        "async_and_hook": "cannot be combined",
+    }
+    for rank, result in enumerate(ll_results):
+        bad = result["bad_inputs"]
+        assert "exception" not in bad, f"rank {rank}: {bad.get('exception')}"
+        for name, word in expected_words.items():
+            kind, message = bad[name]
+            assert kind == "ValueError" and word in message, (rank, name, kind, message)
+
+
+def test_bad_combine_inputs_raise_value_error(ll_results: list[dict]) -> None:
+    for rank, result in enumerate(ll_results):
+        for name, (kind, message) in result["bad_combine"].items():
+            assert kind == "ValueError", (rank, name, kind, message)
+        assert "not implemented" in result["bad_combine"]["zero_copy"][1]
+
+
+def test_invalid_expert_id_is_reported_and_the_buffer_stays_usable(ll_results: list[dict]) -> None:
+    for rank, result in enumerate(ll_results):
+        kind, message = result["invalid_expert"]["after_dispatch"]
+        assert kind == "ValueError" and "outside" in message, (rank, kind, message)
+        assert not result["invalid_expert"]["failures"], result["invalid_expert"]["failures"]
+
+
+def test_interleaving_with_high_throughput_keeps_low_latency_results(ll_results: list[dict]) -> None:
+    failures = _all_failures(ll_results, "interleave")
+    assert not failures, "\n".join(failures)
