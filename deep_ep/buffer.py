@@ -49,6 +49,16 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
 class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
     """Symmetric-memory buffer for expert-parallel dispatch and combine (see DESIGN.md §3)."""
 
@@ -67,8 +77,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         allow_multiple_reduction: bool = True,
         prefer_overlap_with_compute: bool = True,
         deterministic: bool = True,
-        num_gpu_timeout_secs: float = 100,
-        num_cpu_timeout_secs: float = 300,
+        num_gpu_timeout_secs: float | None = None,
+        num_cpu_timeout_secs: float | None = None,
         backend: str = "auto",
         num_ranks_per_node: int | None = None,
         explicitly_destroy: bool = False,
@@ -92,6 +102,10 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         ):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if num_gpu_timeout_secs is None:
+            num_gpu_timeout_secs = _env_seconds("EP_GPU_TIMEOUT_SECS", 100.0)
+        if num_cpu_timeout_secs is None:
+            num_cpu_timeout_secs = _env_seconds("EP_CPU_TIMEOUT_SECS", 300.0)
         if num_gpu_timeout_secs <= 0 or num_cpu_timeout_secs <= 0:
             raise ValueError(
                 f"timeouts must be positive, got num_gpu_timeout_secs={num_gpu_timeout_secs}, "
