@@ -12,6 +12,7 @@
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -110,10 +111,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
   // All rows everywhere, then the reduce epilogue may read its own area.
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
   if (blockIdx.x == 0) rank_barrier(view, Operation::kHtCombine);
-}
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -78,10 +79,6 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
       }
     }
   }
-}
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -81,10 +82,6 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
   // peers and waits until every peer has released theirs to us: the epilogue may read.
   if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
   if (blockIdx.x == 0) rank_barrier(view, Operation::kHtDispatch);
-}
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -138,10 +139,6 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     const int64_t row = args.counts[counts.expert_start + local] + count + pad;
     if (row < args.num_rows_allocated) zero_row(args, row, row_bytes, num_scales);
   }
-}
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "kernels/ht_common.cuh"
 #include "kernels/routing.cuh"
 #include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -256,10 +257,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   const int64_t helpers = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const int64_t helper = gridDim.x > 1 ? blockIdx.x - 1 : 0;
   add_block_bases(args, num_columns, helper * blockDim.x + threadIdx.x, helpers * blockDim.x);
-}
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
 }
 
 }  // namespace

@@ -19,6 +19,8 @@
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
+#include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep {
 namespace {
@@ -200,17 +202,6 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
   }
 }
 
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
-
-void check_launch(const char* kernel) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(kernel) + " launch failed: " + cudaGetErrorString(status));
-  }
-}
-
 void check_args(const LowLatencyCombineArgs& args) {
   const LowLatencyLayout& layout = args.layout;
   require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
@@ -235,7 +226,7 @@ void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStre
   check_args(args);
   const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts * args.view.num_ranks);
   combine_send_kernel<<<grid, kLowLatencySendThreads, 0, stream>>>(args);
-  check_launch("low_latency_combine_send");
+  EP_CHECK_LAUNCH("low_latency_combine_send");
 }
 
 void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream) {
@@ -245,7 +236,7 @@ void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStre
   const int busy_blocks = static_cast<int>(std::max<int64_t>(1, (num_items + kRecvWarps - 1) / kRecvWarps));
   const int grid = std::clamp(args.num_sms, 1, busy_blocks);
   combine_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
-  check_launch("low_latency_combine_recv");
+  EP_CHECK_LAUNCH("low_latency_combine_recv");
 }
 
 }  // namespace deep_ep

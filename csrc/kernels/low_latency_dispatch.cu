@@ -20,6 +20,8 @@
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
+#include "runtime/cuda_check.hpp"
+#include "runtime/require.hpp"
 
 namespace deep_ep {
 namespace {
@@ -200,17 +202,6 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   if (blockIdx.x == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
 }
 
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
-
-void check_launch(const char* kernel) {
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(kernel) + " launch failed: " + cudaGetErrorString(status));
-  }
-}
-
 void check_args(const LowLatencyDispatchArgs& args) {
   const LowLatencyLayout& layout = args.layout;
   require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
@@ -264,14 +255,14 @@ void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaSt
   }
   const int grid = std::clamp(args.num_sms, 1, args.num_experts);
   kernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
-  check_launch("low_latency_dispatch_send");
+  EP_CHECK_LAUNCH("low_latency_dispatch_send");
 }
 
 void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   check_args(args);
   const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
   dispatch_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
-  check_launch("low_latency_dispatch_recv");
+  EP_CHECK_LAUNCH("low_latency_dispatch_recv");
 }
 
 }  // namespace deep_ep

@@ -52,8 +52,8 @@ void CudaIpcMemory::connect(const std::vector<std::string>& handles) {
     void* mapped = nullptr;
     const cudaError_t status = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
-      throw std::runtime_error("cudaIpcOpenMemHandle for rank " + std::to_string(peer) + " failed: " +
-                               cudaGetErrorString(status) +
+      throw std::runtime_error("cudaIpcOpenMemHandle for rank " + std::to_string(peer) +
+                               " failed: " + cudaGetErrorString(status) +
                                " (the ipc backend needs every rank on this host and load/store reachable: the same "
                                "GPU or GPUs with P2P access)");
     }

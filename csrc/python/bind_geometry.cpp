@@ -44,8 +44,8 @@ void register_geometry(py::module_& m) {
   m.def(
       "low_latency_layout",
       [](int num_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_experts, int num_topk) {
-        const LowLatencyLayout layout = low_latency_layout(
-            LowLatencyRequest{num_ranks, num_max_tokens_per_rank, hidden, num_experts, num_topk});
+        const LowLatencyLayout layout =
+            low_latency_layout(LowLatencyRequest{num_ranks, num_max_tokens_per_rank, hidden, num_experts, num_topk});
         py::dict d;
         d["num_topk"] = layout.num_topk;
         d["num_local_experts"] = layout.num_local_experts;

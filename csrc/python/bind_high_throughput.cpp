@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/high_throughput.hpp"
+#include "python/binding_utils.hpp"
 #include "runtime/geometry.hpp"
 #include "runtime/runtime.hpp"
 
@@ -15,13 +16,6 @@ namespace py = pybind11;
 
 namespace deep_ep {
 namespace {
-
-template <typename T>
-T* pointer(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 void check_fits(const Runtime& runtime, int64_t needed, const char* what) {
   const int64_t available = runtime.window().ht_bytes;

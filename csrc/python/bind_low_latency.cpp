@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "kernels/low_latency.hpp"
+#include "python/binding_utils.hpp"
 #include "runtime/geometry.hpp"
 #include "runtime/runtime.hpp"
 #include "runtime/sizing.hpp"
@@ -18,13 +19,6 @@ namespace py = pybind11;
 
 namespace deep_ep {
 namespace {
-
-template <typename T>
-T* pointer(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 // The buffer's LL sizing settings: what the region was allocated for.
 struct LowLatencySettings {

@@ -15,15 +15,15 @@ namespace deep_ep {
 
 }  // namespace deep_ep
 
-#define EP_CUDA_CHECK(call)                                                                        \
-  do {                                                                                             \
-    const cudaError_t ep_status_ = (call);                                                         \
+#define EP_CUDA_CHECK(call)                                                                            \
+  do {                                                                                                 \
+    const cudaError_t ep_status_ = (call);                                                             \
     if (ep_status_ != cudaSuccess) ::deep_ep::throw_cuda_error(#call, ep_status_, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: a bad configuration shows up here, not at the next sync.
-#define EP_CHECK_LAUNCH(kernel_name)                                                                 \
-  do {                                                                                               \
-    const cudaError_t ep_status_ = cudaGetLastError();                                               \
+#define EP_CHECK_LAUNCH(kernel_name)                                                                         \
+  do {                                                                                                       \
+    const cudaError_t ep_status_ = cudaGetLastError();                                                       \
     if (ep_status_ != cudaSuccess) ::deep_ep::throw_cuda_error(kernel_name, ep_status_, __FILE__, __LINE__); \
   } while (0)

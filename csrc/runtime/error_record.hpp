@@ -26,10 +26,10 @@ enum class Operation : int32_t {
 
 enum class Phase : int32_t {
   kNone = 0,
-  kBarrierArrive = 1,      // waiting for a peer's barrier epoch
-  kCountsArrive = 2,       // waiting for a peer's token counts
-  kDataArrive = 3,         // waiting for a peer's "data written" flag
-  kGridSync = 4,           // waiting for the other CTAs of this rank's kernel
+  kBarrierArrive = 1,  // waiting for a peer's barrier epoch
+  kCountsArrive = 2,   // waiting for a peer's token counts
+  kDataArrive = 3,     // waiting for a peer's "data written" flag
+  kGridSync = 4,       // waiting for the other CTAs of this rank's kernel
 };
 
 // Each part is written once (the first writer wins through its status word), read by the host.
@@ -41,8 +41,8 @@ struct ErrorRecord {
   int32_t rank;       // the rank that observed the failure
   int32_t peer;       // the rank it waited for (-1: a CTA of this rank's own grid)
   int32_t reserved;
-  int64_t expected;   // value waited for
-  int64_t seen;       // last value seen
+  int64_t expected;  // value waited for
+  int64_t seen;      // last value seen
   // Invalid input (not fatal): an expert id outside [0, num_experts).
   int32_t invalid_status;     // 1 once recorded; -1 while being written; the host clears it
   int32_t invalid_operation;  // Operation

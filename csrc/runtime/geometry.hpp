@@ -36,13 +36,13 @@ EP_HOST_DEVICE constexpr int64_t align_up(int64_t value, int64_t alignment) {
 
 // One token slot of the HT receive areas. Offsets are from the start of the slot.
 struct TokenLayout {
-  int64_t payload_bytes = 0;   // hidden * element bytes, aligned
-  int64_t scale_offset = 0;    // fp32 scales [hidden / 128] (fp8 payload only)
+  int64_t payload_bytes = 0;       // hidden * element bytes, aligned
+  int64_t scale_offset = 0;        // fp32 scales [hidden / 128] (fp8 payload only)
   int64_t topk_idx_offset = 0;     // int32 [num_topk] global expert ids (dispatch only)
   int64_t weights_offset = 0;      // fp32 [num_topk]
   int64_t expert_slot_offset = 0;  // int32 [num_topk] rank of the token among the sender's tokens of that expert
   int64_t src_offset = 0;          // int32 source token index (dispatch only)
-  int64_t bytes = 0;           // whole slot, aligned
+  int64_t bytes = 0;               // whole slot, aligned
 };
 
 // Dispatch slot: payload (bf16 or fp8), fp8 scales, then K expert ids, K weights, K per-expert slots
@@ -105,8 +105,8 @@ struct HighThroughputLayout {
 };
 
 EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topology& topology,
-                                                                      int64_t num_max_tokens_per_rank, int hidden,
-                                                                      int num_topk, bool use_fp8) {
+                                                                     int64_t num_max_tokens_per_rank, int hidden,
+                                                                     int num_topk, bool use_fp8) {
   HighThroughputLayout layout;
   const int64_t tokens = num_max_tokens_per_rank;
   const int64_t num_ranks = topology.num_ranks;
@@ -178,7 +178,7 @@ EP_HOST_DEVICE constexpr int64_t low_latency_message_bytes(int hidden, bool use_
 }
 
 EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tokens, int hidden, int num_ranks,
-                                                              int num_experts, int num_topk) {
+                                                             int num_experts, int num_topk) {
   LowLatencyLayout layout;
   if (num_max_tokens == 0) return layout;
   layout.num_max_tokens = num_max_tokens;

@@ -37,7 +37,8 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   *error_host_ = ErrorRecord{};
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), mapped, 0));
 
-  EP_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(int32_t) * kNumMappedCounters, cudaHostAllocMapped | cudaHostAllocPortable));
+  EP_CUDA_CHECK(
+      cudaHostAlloc(&mapped, sizeof(int32_t) * kNumMappedCounters, cudaHostAllocMapped | cudaHostAllocPortable));
   mapped_counters_host_ = static_cast<volatile int32_t*>(mapped);
   for (int i = 0; i < kNumMappedCounters; ++i) mapped_counters_host_[i] = 0;
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
@@ -83,8 +84,8 @@ void Runtime::connect_nccl(const std::string& unique_id) {
 
 void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
   EP_CUDA_CHECK(cudaMalloc(&peer_table_device_, sizeof(uint8_t*) * config_.num_ranks));
-  EP_CUDA_CHECK(cudaMemcpy(peer_table_device_, peer_bases.data(), sizeof(uint8_t*) * config_.num_ranks,
-                           cudaMemcpyHostToDevice));
+  EP_CUDA_CHECK(
+      cudaMemcpy(peer_table_device_, peer_bases.data(), sizeof(uint8_t*) * config_.num_ranks, cudaMemcpyHostToDevice));
   view_.rank = config_.rank;
   view_.num_ranks = config_.num_ranks;
   view_.num_scaleup_ranks = config_.num_scaleup_ranks;

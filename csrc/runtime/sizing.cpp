@@ -1,14 +1,11 @@
 #include "runtime/sizing.hpp"
 
-#include <stdexcept>
 #include <string>
+
+#include "runtime/require.hpp"
 
 namespace deep_ep {
 namespace {
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
 
 void check_ranks(int num_ranks) {
   require(num_ranks >= 1 && num_ranks <= kMaxRanks,
@@ -28,9 +25,8 @@ void check_hidden(int hidden, const std::string& whole_groups_reason) {
 }
 
 void check_topk(int num_topk) {
-  require(num_topk >= 0 && num_topk <= kMaxTopK,
-          "num_topk must be in [0, " + std::to_string(kMaxTopK) + "] (0 = size for the maximum), got " +
-              std::to_string(num_topk));
+  require(num_topk >= 0 && num_topk <= kMaxTopK, "num_topk must be in [0, " + std::to_string(kMaxTopK) +
+                                                     "] (0 = size for the maximum), got " + std::to_string(num_topk));
 }
 
 }  // namespace
@@ -58,19 +54,21 @@ HighThroughputLayout high_throughput_layout(const HighThroughputRequest& request
 
 LowLatencyLayout low_latency_layout(const LowLatencyRequest& request) {
   check_ranks(request.num_ranks);
-  require(request.num_max_tokens_per_rank >= 0, "num_max_dispatch_tokens_per_rank must be >= 0, got " +
-                                                    std::to_string(request.num_max_tokens_per_rank));
+  require(request.num_max_tokens_per_rank >= 0,
+          "num_max_dispatch_tokens_per_rank must be >= 0, got " + std::to_string(request.num_max_tokens_per_rank));
   check_topk(request.num_topk);
   if (request.num_max_tokens_per_rank == 0) return LowLatencyLayout{};
   // The LL region always reserves fp8 scales, whichever format a call uses.
   check_hidden(request.hidden, "for the low-latency region (it reserves one fp8 scale per 128 channels)");
-  require(request.num_experts > 0 && request.num_experts <= kMaxExperts,
-          "num_experts must be in [1, " + std::to_string(kMaxExperts) + "], got " + std::to_string(request.num_experts));
+  require(
+      request.num_experts > 0 && request.num_experts <= kMaxExperts,
+      "num_experts must be in [1, " + std::to_string(kMaxExperts) + "], got " + std::to_string(request.num_experts));
   require(request.num_experts % request.num_ranks == 0, "num_experts (" + std::to_string(request.num_experts) +
                                                             ") must be a multiple of num_ranks (" +
                                                             std::to_string(request.num_ranks) + ")");
   return deep_ep::low_latency_layout(request.num_max_tokens_per_rank, request.hidden, request.num_ranks,
-                                     request.num_experts, resolve_low_latency_topk(request.num_topk, request.num_experts));
+                                     request.num_experts,
+                                     resolve_low_latency_topk(request.num_topk, request.num_experts));
 }
 
 WindowLayout buffer_window(const HighThroughputRequest& ht, const LowLatencyRequest& ll) {
