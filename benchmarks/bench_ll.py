@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_common import copy_bandwidth_gbs, run_ranks
 
 import deep_ep
 from deep_ep import _C
@@ -56,21 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- measurements
-
-
-def copy_bandwidth_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy, counting bytes read + written (the floor's convention)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * num_bytes * iters / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def timed_phases(buffer: Any, phases: list[Callable[[], None]], warmup: int, iters: int) -> list[list[float]]:
@@ -341,23 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "iters": args.iters,
     }
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # torchrun: this process is one rank.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        num_gpus = torch.cuda.device_count()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % num_gpus)
-        dist.init_process_group("nccl" if world <= num_gpus else "gloo")
-        result = bench_rank(rank, world, dist.group.WORLD, config)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        dist.destroy_process_group()
-        if rank == 0:
-            write_outputs(summarize(gathered, config), args.out)
-        return
-    from deep_ep.testing import launch
-
-    per_rank = launch(bench_rank, args.num_ranks, config, timeout_secs=1800)
-    write_outputs(summarize(per_rank, config), args.out)
+    per_rank = run_ranks(bench_rank, args.num_ranks, config)
+    if per_rank is not None:
+        write_outputs(summarize(per_rank, config), args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""What the benchmark scripts share: the copy ceiling they normalise by and how ranks are started."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, counting bytes read + written (the floor's convention)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * iters / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def run_ranks(
+    bench_rank: Callable[..., dict[str, Any]], num_ranks: int, config: dict[str, Any]
+) -> list[dict[str, Any]] | None:
+    """Every rank's result: under torchrun (this process is one rank) gathered on rank 0 (None on the
+    others); otherwise ``num_ranks`` processes started by deep_ep.testing.launch."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        num_gpus = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % num_gpus)
+        dist.init_process_group("nccl" if world <= num_gpus else "gloo")
+        result = bench_rank(rank, world, dist.group.WORLD, config)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        dist.destroy_process_group()
+        return gathered if rank == 0 else None
+    from deep_ep.testing import launch
+
+    return launch(bench_rank, num_ranks, config, timeout_secs=1800)
