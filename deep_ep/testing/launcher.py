@@ -41,6 +41,10 @@ def _worker(rank: int, num_ranks: int, port: int, fn: Callable[..., Any], args: 
     import torch.distributed as dist
 
     try:
+        # Every rank is a process with its own intra-op thread pool: without a share of the cores
+        # each, N ranks run N x cores threads and CPU-side work (reference model, input generation)
+        # slows down by an order of magnitude.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         device_id = None
         if num_gpus > 0:

@@ -42,3 +42,16 @@ def test_launch_reraises_failing_rank_with_traceback():
 def test_launch_rejects_zero_ranks():
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
         launch(_sum_ranks, 0, 1)
+
+
+def _thread_count(rank, num_ranks, group):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_launch_gives_each_rank_a_share_of_the_cores():
+    import os
+
+    expected = max(1, (os.cpu_count() or 1) // 2)
+    assert launch(_thread_count, 2) == [expected, expected]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deep_ep import ElasticBuffer, _C
+from deep_ep import _C, ElasticBuffer
 from deep_ep.plan import low_latency_slots
 
 
