@@ -8,6 +8,11 @@ run starts right after a device barrier, so all ranks start together), DeepEP-st
 per rank, SMs used, per-kernel times (torch.profiler), and the fraction of the HBM floor: bytes
 that must move summed over the ranks of a GPU, divided by the device copy bandwidth measured in the
 same run. Writes DIR/bench_ht.json and DIR/bench_ht.png.
+
+With --baseline, the same ranks also time dispatch and combine built from all_to_all_single
+(benchmarks/a2a_baseline.py) on the same bf16 inputs: rows baseline_dispatch_bf16 and
+baseline_combine_bf16 (num_sms 0: NCCL picks its own channels), and speedup_vs_baseline (baseline
+time / our time) on the dispatch_bf16 and combine_bf16 rows.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from a2a_baseline import a2a_combine, a2a_dispatch
 from bench_common import copy_bandwidth_gbs, run_ranks
 
 import deep_ep
@@ -31,6 +37,7 @@ EXPERTS = 256
 FP8_GROUP = 128
 KERNELS = ("notify_kernel", "dispatch_kernel", "epilogue_kernel", "combine_kernel", "reduce_kernel")
 OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "combine_bf16")
+BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50, help="timed runs per operation (>= 50 for the table)")
     parser.add_argument("--num-sms", type=int, default=0, help="0: the analytic estimate")
+    parser.add_argument("--baseline", action="store_true", help="also time the all_to_all_single baseline")
     return parser.parse_args(argv)
+
+
+def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
+    return OPERATIONS + BASELINE_OPERATIONS if config.get("baseline") else OPERATIONS
 
 
 # --------------------------------------------------------------------------- measurements
@@ -113,6 +125,15 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
         "dispatch_fp8_cached": lambda: buffer.dispatch(x_fp8, topk_weights=weights, handle=handle),
         "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_weights),
     }
+    if config.get("baseline"):
+        group = buffer.group
+        baseline_x, baseline_handle = a2a_dispatch(x, topk_idx, num_experts, group)
+        if baseline_handle.num_recv_tokens != handle.num_recv_tokens:
+            raise RuntimeError(
+                f"baseline received {baseline_handle.num_recv_tokens} tokens, dispatch {handle.num_recv_tokens}"
+            )
+        operations["baseline_dispatch_bf16"] = lambda: a2a_dispatch(x, topk_idx, num_experts, group)
+        operations["baseline_combine_bf16"] = lambda: a2a_combine(baseline_x, baseline_handle, group)
     results = []
     for name, operation in operations.items():
         times = sorted(timed_runs(buffer, operation, config["warmup"], config["iters"]))
@@ -124,7 +145,7 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
                 "p10_us": times[len(times) // 10],
                 "p90_us": times[(len(times) * 9) // 10],
                 "num_recv_tokens": handle.num_recv_tokens,
-                "num_sms": handle.num_sms,
+                "num_sms": 0 if name in BASELINE_OPERATIONS else handle.num_sms,
                 "kernels_us": kernel_times_us(buffer, operation),
             }
         )
@@ -173,7 +194,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
     bandwidth = {gpu: next(item["copy_gbs"] for item in per_rank if tuple(item["gpu"]) == gpu) for gpu in gpus}
     rows = []
     for num_tokens in config["tokens"]:
-        for operation in OPERATIONS:
+        for operation in operation_names(config):
             entries = [
                 next(r for r in item["results"] if r["num_tokens"] == num_tokens and r["operation"] == operation)
                 for item in per_rank
@@ -208,6 +229,8 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                     "kernels_us_max_over_ranks": kernels,
                 }
             )
+    if config.get("baseline"):
+        add_speedups(rows)
     return {
         "config": config,
         "num_ranks": len(per_rank),
@@ -217,6 +240,15 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
     }
 
 
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """speedup_vs_baseline = baseline time / our time, on each of our rows that has a baseline row at its T."""
+    time_us = {(row["num_tokens"], row["operation"]): row["time_us"] for row in rows}
+    for row in rows:
+        baseline_us = time_us.get((row["num_tokens"], "baseline_" + row["operation"]))
+        if baseline_us is not None:
+            row["speedup_vs_baseline"] = baseline_us / row["time_us"]
+
+
 def plot(summary: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -224,7 +256,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for operation in OPERATIONS:
+    for operation in operation_names(summary["config"]):
         rows = [row for row in summary["rows"] if row["operation"] == operation]
         tokens = [row["num_tokens"] for row in rows]
         left.plot(tokens, [row["gbs_per_rank_mean"] for row in rows], marker="o", label=operation)
@@ -248,15 +280,20 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
     with open(os.path.join(out_dir, "bench_ht.json"), "w") as file:
         json.dump(summary, file, indent=1)
     plot(summary, os.path.join(out_dir, "bench_ht.png"))
-    print(f"{'T':>6} {'operation':<20} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4}  kernels (us)")
+    # 20 columns fit our operation names (the committed tables); the baseline's are longer.
+    width = max([20] + [len(row["operation"]) + 1 for row in summary["rows"]])
+    print(f"{'T':>6} {'operation':<{width}} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4}  kernels (us)")
     for row in summary["rows"]:
         kernels = " ".join(
             f"{name.removesuffix('_kernel')}={value:.0f}" for name, value in row["kernels_us_max_over_ranks"].items()
         )
         print(
-            f"{row['num_tokens']:>6} {row['operation']:<20} {row['time_us']:>9.1f} {row['gbs_per_rank_mean']:>10.1f} "
-            f"{row['floor_fraction']:>6.2f} {row['num_sms']:>4}  {kernels}"
+            f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['time_us']:>9.1f} "
+            f"{row['gbs_per_rank_mean']:>10.1f} {row['floor_fraction']:>6.2f} {row['num_sms']:>4}  {kernels}"
         )
+    for row in summary["rows"]:
+        if "speedup_vs_baseline" in row:
+            print(f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['speedup_vs_baseline']:.2f}x the baseline")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         "iters": args.iters,
         "num_sms": args.num_sms,
     }
+    if args.baseline:
+        config["baseline"] = True
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:
         write_outputs(summarize(per_rank, config), args.out)
