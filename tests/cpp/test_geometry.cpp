@@ -117,18 +117,29 @@ TEST(Sizing, RejectsBadRequestsNamingTheArgument) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{0, 1, 128, 7168, 8, false}); }).find("num_ranks"),
+  EXPECT_NE(message([] {
+              high_throughput_layout(HighThroughputRequest{0, 1, 128, 7168, 8, false});
+            }).find("num_ranks"),
             std::string::npos);
-  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 3, 128, 7168, 8, false}); })
-                .find("num_ranks_per_node"),
+  EXPECT_NE(message([] {
+              high_throughput_layout(HighThroughputRequest{8, 3, 128, 7168, 8, false});
+            }).find("num_ranks_per_node"),
             std::string::npos);
-  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 8, 128, 7000, 8, true}); }).find("hidden"),
+  EXPECT_NE(message([] {
+              high_throughput_layout(HighThroughputRequest{8, 8, 128, 7000, 8, true});
+            }).find("hidden"),
             std::string::npos);
-  EXPECT_NE(message([] { high_throughput_layout(HighThroughputRequest{8, 8, 128, 7168, 40, false}); }).find("num_topk"),
+  EXPECT_NE(message([] {
+              high_throughput_layout(HighThroughputRequest{8, 8, 128, 7168, 40, false});
+            }).find("num_topk"),
             std::string::npos);
-  EXPECT_NE(message([] { low_latency_layout(LowLatencyRequest{8, 128, 7168, 260, 8}); }).find("num_experts"),
+  EXPECT_NE(message([] {
+              low_latency_layout(LowLatencyRequest{8, 128, 7168, 260, 8});
+            }).find("num_experts"),
             std::string::npos);
-  EXPECT_NE(message([] { low_latency_layout(LowLatencyRequest{8, 128, 7000, 256, 8}); }).find("hidden"),
+  EXPECT_NE(message([] {
+              low_latency_layout(LowLatencyRequest{8, 128, 7000, 256, 8});
+            }).find("hidden"),
             std::string::npos);
 }
 
