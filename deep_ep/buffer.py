@@ -60,7 +60,12 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
-    """Symmetric-memory buffer for expert-parallel dispatch and combine (see DESIGN.md §3)."""
+    """Symmetric-memory buffer for expert-parallel dispatch and combine (docs/api.md).
+
+    ``deterministic`` is accepted for DeepEP compatibility: results are always deterministic here
+    (receive order is (source rank, source token) by construction, sums run in a fixed order), so
+    ``deterministic=False`` changes nothing.
+    """
 
     def __init__(
         self,
@@ -238,6 +243,11 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         num_ranks_per_node: int | None = None,
     ) -> int:
         """Exact window bytes an HT-only buffer with these settings allocates (all ranks on one host)."""
+        if not allow_multiple_reduction:
+            raise ValueError(
+                "allow_multiple_reduction=False is not supported: combine always sums a rank's rows for a token "
+                "before sending them (one bf16 rounding per rank)"
+            )
         num_ranks = group.size()
         node_size = emulated_ranks_per_node(num_ranks_per_node) or num_ranks
         scaleup = node_size if allow_hybrid_mode and node_size < num_ranks else num_ranks
@@ -375,6 +385,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
 
     def local_window_base(self) -> int:
         """Device address of this rank's window (for zero-copy views)."""
+        self._ensure_usable()
         return self._runtime.local_base()
 
     def destroy(self) -> None:

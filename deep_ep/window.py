@@ -1,8 +1,9 @@
 """Zero-copy tensor views of a buffer's symmetric window.
 
 The low-latency receive slots *are* the packed output tensors, so the result of a dispatch is a view
-of the window rather than a copy. The view holds a reference to its owner (through the CUDA array
-interface object torch keeps alive), so the window outlives every view of it.
+of the window rather than a copy. The view holds a reference to its owner buffer (through the CUDA
+array interface object torch keeps alive), so implicit teardown never frees the window under a live
+view; an explicit ``destroy()`` frees it regardless, and views must not be used after it.
 """
 
 from __future__ import annotations

@@ -41,3 +41,8 @@ def test_hints_reject_bad_sizes_naming_the_argument():
         ElasticBuffer.get_buffer_size_hint(_FakeGroup(8), 4096, 7000, use_fp8_dispatch=True)
     with pytest.raises(ValueError, match="num_experts"):
         ElasticBuffer.get_low_latency_size_hint(128, 7168, 8, 260)
+
+
+def test_hint_refuses_what_the_constructor_refuses():
+    with pytest.raises(ValueError, match="allow_multiple_reduction=False is not supported"):
+        ElasticBuffer.get_buffer_size_hint(_FakeGroup(8), 4096, 7168, allow_multiple_reduction=False)
