@@ -83,6 +83,11 @@ void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaSt
 void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream);
 void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream);
 
+// Host checks both LL operations share: the call must match what the buffer's LL region was
+// sized for. Throws std::invalid_argument naming the argument, the value and the rule.
+void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
+                            int num_topk);
+
 #if defined(__CUDACC__)
 namespace low_latency {
 

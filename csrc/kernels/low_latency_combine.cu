@@ -203,17 +203,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
 }
 
 void check_args(const LowLatencyCombineArgs& args) {
-  const LowLatencyLayout& layout = args.layout;
-  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
-  require(args.num_experts == layout.num_local_experts * args.view.num_ranks,
-          "num_experts must be " + std::to_string(layout.num_local_experts * args.view.num_ranks) +
-              " (the buffer's), got " + std::to_string(args.num_experts));
-  require(args.num_tokens >= 0 && args.num_tokens <= layout.num_max_tokens,
-          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
-              "], got " + std::to_string(args.num_tokens));
-  require(args.num_topk >= 1 && args.num_topk <= layout.num_topk && args.num_topk <= 32,
-          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
-              std::to_string(args.num_topk));
+  check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   require(args.hidden > 0 && args.hidden % 8 == 0,
           "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
   require(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));

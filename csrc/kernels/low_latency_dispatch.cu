@@ -203,17 +203,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
 }
 
 void check_args(const LowLatencyDispatchArgs& args) {
-  const LowLatencyLayout& layout = args.layout;
-  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
-  require(args.num_experts == layout.num_local_experts * args.view.num_ranks,
-          "num_experts must be " + std::to_string(layout.num_local_experts * args.view.num_ranks) +
-              " (the buffer's), got " + std::to_string(args.num_experts));
-  require(args.num_tokens >= 0 && args.num_tokens <= layout.num_max_tokens,
-          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
-              "], got " + std::to_string(args.num_tokens));
-  require(args.num_topk >= 1 && args.num_topk <= layout.num_topk,
-          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
-              std::to_string(args.num_topk));
+  check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   require(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
           "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
   require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
@@ -231,6 +221,20 @@ int max_dynamic_shared_bytes() {
 }
 
 }  // namespace
+
+void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
+                            int num_topk) {
+  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
+  require(num_experts == layout.num_local_experts * num_ranks,
+          "num_experts must be " + std::to_string(layout.num_local_experts * num_ranks) + " (the buffer's), got " +
+              std::to_string(num_experts));
+  require(num_tokens >= 0 && num_tokens <= layout.num_max_tokens,
+          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
+              "], got " + std::to_string(num_tokens));
+  require(num_topk >= 1 && num_topk <= layout.num_topk && num_topk <= kMaxTopK,
+          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
+              std::to_string(num_topk));
+}
 
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   check_args(args);
