@@ -42,6 +42,12 @@ def _describe(tensor: Any) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} on {tensor.device}"
 
 
+def _require_tensor(name: str, value: Any, expected: str) -> None:
+    """A wrong kind of object is a TypeError (DESIGN §3); a tensor of the wrong dtype or shape is a ValueError."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor ({expected}), got {type(value).__name__}")
+
+
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` contiguous and 16-byte aligned (a copy on the current stream when it is not)."""
     if not tensor.is_contiguous():
@@ -392,7 +398,8 @@ class LowLatencyMixin:
 
     def _ll_check_dispatch_inputs(self, x: Any, topk_idx: Any, device: torch.device) -> tuple[int, int]:
         cap = self.num_max_dispatch_tokens_per_rank
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+        _require_tensor("x", x, f"bfloat16 [T, {self.hidden}]")
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x must be bfloat16 [T, {self.hidden}], got {_describe(x)}")
         num_tokens, hidden = x.shape
         if hidden % FP8_GROUP_SIZE != 0:
@@ -406,12 +413,8 @@ class LowLatencyMixin:
             )
         if x.device != device:
             raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
-        if (
-            not isinstance(topk_idx, torch.Tensor)
-            or topk_idx.dtype != torch.int64
-            or topk_idx.dim() != 2
-            or topk_idx.shape[0] != num_tokens
-        ):
+        _require_tensor("topk_idx", topk_idx, f"int64 [{num_tokens}, K]")
+        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx must be int64 [{num_tokens}, K], got {_describe(topk_idx)}")
         num_topk = topk_idx.shape[1]
         if not 1 <= num_topk <= self.num_ll_topk:
@@ -425,7 +428,7 @@ class LowLatencyMixin:
 
     def _ll_check_handle(self, handle: Any) -> None:
         if not isinstance(handle, LowLatencyHandle):
-            raise ValueError(
+            raise TypeError(
                 f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle).__name__}"
             )
         if handle.owner_id != id(self):
@@ -453,13 +456,15 @@ class LowLatencyMixin:
     ) -> None:
         num_local = self._ll_layout()["num_local_experts"]
         expected = [num_local, self.num_ranks * self.num_max_dispatch_tokens_per_rank, self.hidden]
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or list(x.shape) != expected:
+        _require_tensor("x", x, f"bfloat16 {expected}")
+        if x.dtype != torch.bfloat16 or list(x.shape) != expected:
             raise ValueError(f"x must be bfloat16 {expected} (like the dispatch's recv_x), got {_describe(x)}")
         if x.device != device:
             raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
         shape = [handle.num_tokens, handle.num_topk]
         for name, tensor, dtype in (("topk_idx", topk_idx, torch.int64), ("topk_weights", topk_weights, torch.float32)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or list(tensor.shape) != shape:
+            _require_tensor(name, tensor, f"{str(dtype).removeprefix('torch.')} {shape}")
+            if tensor.dtype != dtype or list(tensor.shape) != shape:
                 raise ValueError(
                     f"{name} must be {str(dtype).removeprefix('torch.')} {shape} (the dispatch's T and K), "
                     f"got {_describe(tensor)}"
@@ -468,7 +473,8 @@ class LowLatencyMixin:
                 raise ValueError(f"{name} must be on {device} (the buffer's device), got {_describe(tensor)}")
         if out is not None:
             out_shape = [handle.num_tokens, self.hidden]
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or list(out.shape) != out_shape:
+            _require_tensor("out", out, f"bfloat16 {out_shape}")
+            if out.dtype != torch.bfloat16 or list(out.shape) != out_shape:
                 raise ValueError(f"out must be bfloat16 {out_shape}, got {_describe(out)}")
             if out.device != device or not out.is_contiguous() or out.data_ptr() % _ROW_ALIGNMENT != 0:
                 raise ValueError(

@@ -146,7 +146,7 @@ def test_combine_rejects_zero_copy() -> None:
 def test_combine_rejects_foreign_unreceived_and_stale_handles() -> None:
     buffer, other = FakeBuffer(), FakeBuffer()
     args = (_combine_x(), _idx(), torch.zeros(4, LL_TOPK))
-    with pytest.raises(ValueError, match="LowLatencyHandle"):
+    with pytest.raises(TypeError, match="LowLatencyHandle"):
         buffer.low_latency_combine(*args, handle=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="another buffer"):
         buffer.low_latency_combine(*args, handle=_handle(other))
@@ -190,3 +190,11 @@ def test_tensors_on_another_device_are_rejected() -> None:
     buffer._ll_device = lambda: torch.device("cuda", 0)  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="x must be on cuda:0"):
         buffer.low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS)
+
+
+def test_non_tensor_arguments_are_type_errors_naming_the_argument() -> None:
+    buffer = FakeBuffer()
+    with pytest.raises(TypeError, match=r"x must be a tensor \(bfloat16 \[T, 256\]\), got list"):
+        buffer.low_latency_dispatch([[0.0]], _idx(), CAP, NUM_EXPERTS)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="topk_idx must be a tensor"):
+        buffer.low_latency_dispatch(_x(), None, CAP, NUM_EXPERTS)  # type: ignore[arg-type]
