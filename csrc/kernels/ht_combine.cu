@@ -117,10 +117,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
-  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
-  require(args.hidden % kBf16PerVector == 0,
-          "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(args.hidden));
+  check_combine_shape(args.num_topk, args.hidden);
   require(!args.do_expand || args.recv_expanded_rows != nullptr, "expand combine needs the expanded row map");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");

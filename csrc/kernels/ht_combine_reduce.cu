@@ -85,10 +85,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
 
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   require(args.num_ctas >= 1, "num_ctas must be >= 1, got " + std::to_string(args.num_ctas));
-  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
-  require(args.hidden % kBf16PerVector == 0,
-          "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(args.hidden));
+  check_combine_shape(args.num_topk, args.hidden);
   reduce_kernel<<<args.num_ctas, kReduceThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine reduce_kernel");
 }

@@ -17,10 +17,18 @@ namespace py = pybind11;
 namespace deep_ep {
 namespace {
 
-void check_fits(const Runtime& runtime, int64_t needed, const char* what) {
+enum class HtOperation { kDispatch, kCombine };
+
+// The direct-mode footprint of this call shape must fit the buffer's HT region.
+void check_fits(const Runtime& runtime, HtOperation operation, int64_t num_max_tokens_per_rank, int hidden,
+                int num_topk, bool use_fp8) {
+  const HighThroughputLayout layout =
+      ht::direct_layout(runtime.device_view().num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
+  const bool dispatch = operation == HtOperation::kDispatch;
+  const int64_t needed = dispatch ? layout.dispatch_bytes : layout.combine_bytes;
   const int64_t available = runtime.window().ht_bytes;
   if (needed > available) {
-    throw std::invalid_argument(std::string(what) + " needs " + std::to_string(needed) +
+    throw std::invalid_argument(std::string(dispatch ? "dispatch" : "combine") + " needs " + std::to_string(needed) +
                                 " bytes of the HT region, the buffer has " + std::to_string(available));
   }
 }
@@ -90,9 +98,7 @@ void register_high_throughput(py::module_& m) {
          int num_sms, std::uintptr_t stream) {
         ht::DispatchArgs args;
         args.view = runtime.device_view();
-        const HighThroughputLayout layout =
-            ht::direct_layout(args.view.num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
-        check_fits(runtime, layout.dispatch_bytes, "dispatch");
+        check_fits(runtime, HtOperation::kDispatch, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
         args.ht_offset = runtime.window().ht_offset;
         args.num_max_tokens_per_rank = num_max_tokens_per_rank;
         args.hidden = hidden;
@@ -124,9 +130,7 @@ void register_high_throughput(py::module_& m) {
          std::uintptr_t recv_expanded_rows, int num_ctas, std::uintptr_t stream) {
         ht::EpilogueArgs args;
         args.view = runtime.device_view();
-        const HighThroughputLayout layout =
-            ht::direct_layout(args.view.num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
-        check_fits(runtime, layout.dispatch_bytes, "dispatch");
+        check_fits(runtime, HtOperation::kDispatch, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
         args.ht_offset = runtime.window().ht_offset;
         args.num_max_tokens_per_rank = num_max_tokens_per_rank;
         args.hidden = hidden;
@@ -161,9 +165,7 @@ void register_high_throughput(py::module_& m) {
          std::uintptr_t recv_expanded_rows, int num_sms, std::uintptr_t stream) {
         ht::CombineArgs args;
         args.view = runtime.device_view();
-        const HighThroughputLayout layout =
-            ht::direct_layout(args.view.num_ranks, num_max_tokens_per_rank, hidden, num_topk, false);
-        check_fits(runtime, layout.combine_bytes, "combine");
+        check_fits(runtime, HtOperation::kCombine, num_max_tokens_per_rank, hidden, num_topk, false);
         args.ht_offset = runtime.window().ht_offset;
         args.num_max_tokens_per_rank = num_max_tokens_per_rank;
         args.hidden = hidden;
@@ -188,9 +190,7 @@ void register_high_throughput(py::module_& m) {
          std::uintptr_t combined_topk_weights, int num_ctas, std::uintptr_t stream) {
         ht::ReduceArgs args;
         args.view = runtime.device_view();
-        const HighThroughputLayout layout =
-            ht::direct_layout(args.view.num_ranks, num_max_tokens_per_rank, hidden, num_topk, false);
-        check_fits(runtime, layout.combine_bytes, "combine");
+        check_fits(runtime, HtOperation::kCombine, num_max_tokens_per_rank, hidden, num_topk, false);
         args.ht_offset = runtime.window().ht_offset;
         args.num_max_tokens_per_rank = num_max_tokens_per_rank;
         args.hidden = hidden;
