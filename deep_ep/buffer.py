@@ -29,6 +29,7 @@ from deep_ep.topology import (
     emulated_ranks_per_node,
     gpu_is_shared,
     mps_is_running,
+    requested_backend,
     sm_cap,
 )
 
@@ -84,7 +85,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         deterministic: bool = True,
         num_gpu_timeout_secs: float | None = None,
         num_cpu_timeout_secs: float | None = None,
-        backend: str = "auto",
+        backend: str | None = None,
         num_ranks_per_node: int | None = None,
         explicitly_destroy: bool = False,
     ) -> None:
@@ -137,6 +138,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.num_experts = num_experts
 
+        backend = requested_backend(backend)
         # Every rank must agree on every setting: the window has the same size and layout everywhere.
         settings = {
             "num_bytes": num_bytes,

@@ -101,6 +101,13 @@ def gpu_is_shared(facts: list[RankFacts]) -> bool:
     return len(set(gpus)) != len(gpus)
 
 
+def requested_backend(backend: str | None) -> str:
+    """The constructor's ``backend``; None reads env ``EP_BACKEND`` (default "auto")."""
+    if backend is None:
+        backend = os.environ.get("EP_BACKEND", "").strip() or "auto"
+    return backend
+
+
 def choose_backend(requested: str, shared_gpu: bool) -> str:
     """'auto' → 'nccl' when every rank has its own GPU, else 'ipc' (NCCL refuses two ranks on one GPU)."""
     if requested not in ("auto", "nccl", "ipc"):

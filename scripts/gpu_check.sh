@@ -5,7 +5,13 @@
 #
 # Knobs: EP_GPU_CHECK_RANKS (default 1,2,4,8), EP_GPU_CHECK_TESTS (default tests/gpu),
 #        EP_GPU_CHECK_BENCH (1 = run benchmarks, default 1), EP_GPU_CHECK_BENCH_RANKS (default 8),
+#        EP_GPU_CHECK_BENCH_ARGS / EP_GPU_CHECK_LL_ARGS (extra arguments for bench_ht.py /
+#        bench_ll.py, e.g. "--tokens 4096,8192 --baseline --num-sms 0,8,16,24,32,64"),
 #        EP_GPU_CHECK_TIMEOUT (seconds per pytest run, default 900), PYTHON (default python3).
+# EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build.
+# With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
+# The device tool brings back at most 8 files: when $OUT holds more, the logs are packed into
+# $OUT/logs.tar.gz (JSON and plots stay as they are).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -20,6 +26,8 @@ RANKS=${EP_GPU_CHECK_RANKS:-1,2,4,8}
 TESTS=${EP_GPU_CHECK_TESTS:-tests/gpu}
 BENCH=${EP_GPU_CHECK_BENCH:-1}
 BENCH_RANKS=${EP_GPU_CHECK_BENCH_RANKS:-8}
+BENCH_ARGS=${EP_GPU_CHECK_BENCH_ARGS:-}
+LL_ARGS=${EP_GPU_CHECK_LL_ARGS:-}
 PER_RUN_TIMEOUT=${EP_GPU_CHECK_TIMEOUT:-900}
 summary=()
 
@@ -33,6 +41,13 @@ if ! MAX_JOBS=$(nproc) $PY -m pip install --no-build-isolation --no-deps -e . > 
 fi
 build_s=$(( $(date +%s) - start ))
 summary+=("build: ${build_s} s")
+
+num_gpus=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [[ $num_gpus -ge 2 ]]; then
+  nvidia-smi nvlink -s >> "$OUT/nvidia-smi.txt" 2>&1
+  $PY benchmarks/peer_copy.py > "$OUT/peer_copy.json" 2>> "$OUT/nvidia-smi.txt"
+  summary+=("peer copy: $(tr -d '\n ' < "$OUT/peer_copy.json")")
+fi
 
 bash scripts/mps.sh start || summary+=("mps: not started (ranks sharing a GPU will be slow)")
 trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
@@ -55,7 +70,10 @@ if [[ $BENCH == 1 ]]; then
   for bench in bench_ht bench_ll; do
     [[ -f benchmarks/$bench.py ]] || continue
     t0=$(date +%s)
-    timeout "$PER_RUN_TIMEOUT" $PY benchmarks/$bench.py --num-ranks "$BENCH_RANKS" --out "$OUT" \
+    extra=$BENCH_ARGS
+    [[ $bench == bench_ll ]] && extra=$LL_ARGS
+    # shellcheck disable=SC2086 # the extra arguments are meant to split
+    timeout "$PER_RUN_TIMEOUT" $PY benchmarks/$bench.py --num-ranks "$BENCH_RANKS" --out "$OUT" $extra \
       > "$OUT/${bench}.log" 2>&1
     rc=$?
     [[ $rc -ne 0 ]] && status=1
@@ -68,6 +86,11 @@ for file in "$OUT"/barrier_latency_*ranks.json; do
   [[ -f $file ]] || continue
   summary+=("$(basename "$file" .json): $($PY -c "import json,sys; print(round(json.load(open(sys.argv[1]))['us_per_barrier_max_over_ranks'], 2), 'us')" "$file")")
 done
+
+if [[ $(find "$OUT" -maxdepth 1 -type f | wc -l) -gt 8 ]]; then
+  (cd "$OUT" && tar czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log ./*.txt)
+  summary+=("logs packed into $OUT/logs.tar.gz")
+fi
 
 echo "===================== gpu_check summary ====================="
 printf '%s\n' "${summary[@]}"

@@ -11,6 +11,7 @@ from deep_ep.topology import (
     emulated_ranks_per_node,
     gpu_is_shared,
     ranks_per_host,
+    requested_backend,
     sm_cap,
 )
 
@@ -90,3 +91,14 @@ def test_sm_cap_splits_the_gpu_between_sharing_ranks():
     assert sm_cap(132, 1) == 132
     assert sm_cap(132, 8) == 16
     assert sm_cap(132, 3) == 44
+
+
+def test_backend_none_reads_ep_backend(monkeypatch):
+    monkeypatch.delenv("EP_BACKEND", raising=False)
+    assert requested_backend(None) == "auto"
+    monkeypatch.setenv("EP_BACKEND", "ipc")
+    assert requested_backend(None) == "ipc"
+    assert requested_backend("nccl") == "nccl"  # an explicit argument wins
+    monkeypatch.setenv("EP_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="backend must be"):
+        choose_backend(requested_backend(None), False)

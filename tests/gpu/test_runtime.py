@@ -48,7 +48,7 @@ def _create_destroy_many(rank, num_ranks, group, backend, iterations):
 
 
 def test_create_destroy_50_times_returns_memory(num_ranks):
-    results = launch(_create_destroy_many, num_ranks, "auto" if num_ranks <= torch.cuda.device_count() else "ipc", 50)
+    results = launch(_create_destroy_many, num_ranks, None if num_ranks <= torch.cuda.device_count() else "ipc", 50)
     for rank, result in enumerate(results):
         # A leak of one window per iteration would be 50 windows; allow less than one window of noise
         # (other ranks on the same GPU allocate and free at the same time).
@@ -63,7 +63,7 @@ def test_nccl_backend_single_rank_create_destroy_and_barriers():
     launch(_barriers, 1, "nccl")
 
 
-def _barriers(rank, num_ranks, group, backend="auto"):
+def _barriers(rank, num_ranks, group, backend=None):
     buffer = _make_buffer(group, backend=backend)
     try:
         assert buffer.backend in ("nccl", "ipc")
