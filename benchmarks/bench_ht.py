@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-sms", default="0", help="comma list of SM counts to run each operation with (0: the analytic estimate)"
     )
     parser.add_argument("--baseline", action="store_true", help="also time the all_to_all_single baseline")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="print a cProfile of 200 uncached fp8 dispatch calls (rank 0)"
+    )
     return parser.parse_args(argv)
 
 
@@ -64,20 +68,41 @@ def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- measurements
 
 
-def timed_runs(buffer, operation, warmup: int, iters: int) -> list[float]:
-    """Per-run times (us); each run starts right after a device barrier on the caller's stream."""
+def timed_runs(buffer, operation, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+    """Per-run device times (us; each run starts right after a device barrier on the caller's
+    stream) and host times of the call (us; includes the host wait for counts where there is one)."""
     for _ in range(warmup):
         operation()
     events = []
+    host_us = []
     for _ in range(iters):
         buffer.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         operation()
+        host_us.append((time.perf_counter() - begin) * 1e6)
         end.record()
         events.append((start, end))
     torch.cuda.synchronize()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
+    return [start.elapsed_time(end) * 1e3 for start, end in events], host_us
+
+
+def host_profile(operation, calls: int = 200, top: int = 30) -> str:
+    """cProfile of ``calls`` back-to-back calls (host side only): where the Python time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        operation()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def kernel_times_us(buffer, operation, runs: int = 9) -> dict[str, float]:
@@ -127,7 +152,8 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
     results = []
 
     def measure(name: str, operation, requested_sms: int, num_sms: int, num_recv_tokens: int) -> None:
-        times = sorted(timed_runs(buffer, operation, config["warmup"], config["iters"]))
+        times, host_us = timed_runs(buffer, operation, config["warmup"], config["iters"])
+        times.sort()
         results.append(
             {
                 "num_tokens": num_tokens,
@@ -135,6 +161,7 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
                 "median_us": statistics.median(times),
                 "p10_us": times[len(times) // 10],
                 "p90_us": times[(len(times) * 9) // 10],
+                "host_us": statistics.median(host_us),
                 "num_recv_tokens": num_recv_tokens,
                 "requested_num_sms": requested_sms,
                 "num_sms": num_sms,
@@ -161,6 +188,14 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
         operations, handle = operations_at(requested)
         for name, operation in operations.items():
             measure(name, operation, requested, handle.num_sms, handle.num_recv_tokens)
+        if config.get("host_profile") and rank == 0 and requested == config["num_sms"][0]:
+            # Rank 0 profiles while the others run the same calls (the count exchange needs them).
+            profile_text = host_profile(operations["dispatch_fp8"])
+            print(f"[bench_ht] host profile, dispatch_fp8, T={num_tokens}:\n{profile_text}")
+        elif config.get("host_profile") and requested == config["num_sms"][0]:
+            for _ in range(200):
+                operations["dispatch_fp8"]()
+            torch.cuda.synchronize()
 
     if config.get("baseline"):
         group = buffer.group
@@ -250,6 +285,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 "operation": operation,
                 "time_us": time_us,
                 "time_us_per_rank": [entry["median_us"] for entry in entries],
+                "host_us_max_over_ranks": max(entry.get("host_us", 0.0) for entry in entries),
                 "bytes_per_token": per_token,
                 "bytes_per_rank": [per_token * entry["num_recv_tokens"] for entry in entries],
                 "gbs_per_rank": gbs,
@@ -367,14 +403,18 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
     plot(summary, os.path.join(out_dir, "bench_ht.png"))
     # 20 columns fit our operation names (the committed tables); the baseline's are longer.
     width = max([20] + [len(row["operation"]) + 1 for row in summary["rows"]])
-    print(f"{'T':>6} {'operation':<{width}} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4}  kernels (us)")
+    print(
+        f"{'T':>6} {'operation':<{width}} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4} {'host us':>8}"
+        "  kernels (us)"
+    )
     for row in summary["rows"]:
         kernels = " ".join(
             f"{name.removesuffix('_kernel')}={value:.0f}" for name, value in row["kernels_us_max_over_ranks"].items()
         )
         print(
             f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['time_us']:>9.1f} "
-            f"{row['gbs_per_rank_mean']:>10.1f} {row['floor_fraction']:>6.2f} {row['num_sms']:>4}  {kernels}"
+            f"{row['gbs_per_rank_mean']:>10.1f} {row['floor_fraction']:>6.2f} {row['num_sms']:>4} "
+            f"{row.get('host_us_max_over_ranks', 0.0):>8.0f}  {kernels}"
         )
     for row in summary["rows"]:
         if "speedup_vs_baseline" in row:
@@ -400,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.baseline:
         config["baseline"] = True
+    if args.host_profile:
+        config["host_profile"] = True
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:
         write_outputs(summarize(per_rank, config), args.out)

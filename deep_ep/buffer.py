@@ -321,6 +321,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
 
     def _check_device_errors(self) -> None:
         """Raise what the kernels recorded so far (no synchronisation)."""
+        if not self._runtime.has_error():
+            return
         record = self._runtime.error_record()
         if record["status"] > 0:
             waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"

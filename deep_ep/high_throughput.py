@@ -14,6 +14,7 @@ the event and every tensor the kernels touch, otherwise the caller's stream wait
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,11 @@ MAX_TOPK = 32
 # per-rank SM share anyway.
 NVLINK_GBS = 395.0
 SHARED_GPU_GBS = 2000.0
+# Effective HBM + NVLink write rate of one SM running our direct kernels, calibrated on 2 x H200
+# (2026-11-29 num_sms sweep, docs/performance.md): one SM sustains ~40 GB/s alone but the rate per
+# SM falls as SMs are added, and 90 % of the best measured bandwidth needed ~32 SMs where
+# DeepEP's 50 GB/s/SM model gives 20. Calibrated so the estimate lands there.
+DIRECT_SM_WRITE_GBS = 31.0
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -47,6 +53,20 @@ def _align_up(value: int, alignment: int) -> int:
 
 def _pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
+
+
+# Per-call-shape constants from the geometry core, memoised: every call would otherwise cross into
+# _C and build a fresh dict (the host path of an uncached dispatch is on the critical path).
+@functools.lru_cache(maxsize=256)
+def _ht_layout(
+    num_ranks: int, num_scaleup_ranks: int, num_max_tokens: int, hidden: int, num_topk: int, use_fp8: bool
+) -> dict[str, int]:
+    return _C.high_throughput_layout(num_ranks, num_scaleup_ranks, num_max_tokens, hidden, num_topk, use_fp8)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_layout(num_ranks: int, num_local: int) -> dict[str, int]:
+    return _C.ht_counts_layout(num_ranks, num_local)
 
 
 class _CommLaunch:
@@ -70,7 +90,10 @@ class _CommLaunch:
         return self.comm.cuda_stream
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.cuda.stream(self.alloc_stream):
+        if self.on_comm:
+            with torch.cuda.stream(self.alloc_stream):
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+        else:  # the caller's stream is current already: no stream switch on the host path
             tensor = torch.empty(shape, dtype=dtype, device=device)
         self.allocated.append(tensor)
         return tensor
@@ -109,19 +132,24 @@ class HighThroughputMixin:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """Fewest SMs that keep the link saturated for HT (deep_ep.plan.estimates), capped at this
         rank's SM share. Direct mode: all ranks form one load/store domain."""
-        topology = getattr(self, "topology", None)
-        shares_gpu = topology is not None and topology.ranks_per_gpu > 1
-        num_sms = theoretical_num_sms(
-            num_experts,
-            num_topk,
-            self.num_ranks,
-            self.num_ranks,
-            1,
-            nvlink_gbs=SHARED_GPU_GBS if shares_gpu else NVLINK_GBS,
-            prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
-            device_sms=self._max_num_sms,
-        )
-        return min(num_sms, self._max_num_sms)
+        cache = self.__dict__.setdefault("_num_sms_estimates", {})
+        key = (num_experts, num_topk)
+        if key not in cache:
+            topology = getattr(self, "topology", None)
+            shares_gpu = topology is not None and topology.ranks_per_gpu > 1
+            num_sms = theoretical_num_sms(
+                num_experts,
+                num_topk,
+                self.num_ranks,
+                self.num_ranks,
+                1,
+                nvlink_gbs=SHARED_GPU_GBS if shares_gpu else NVLINK_GBS,
+                sm_write_gbs=DIRECT_SM_WRITE_GBS,
+                prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
+                device_sms=self._max_num_sms,
+            )
+            cache[key] = min(num_sms, self._max_num_sms)
+        return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """Queue pairs DeepEP would request for ``num_sms`` (direct mode: no scale-out traffic)."""
@@ -201,7 +229,7 @@ class HighThroughputMixin:
             routing = topk_idx
         num_topk = routing.shape[1]
         self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
-        layout = _C.high_throughput_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
+        layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
         self._check_fits(
             "dispatch", layout["dispatch_bytes"], T=num_tokens, H=hidden, K=num_topk, T_max=num_max_tokens, fp8=use_fp8
         )
@@ -318,7 +346,7 @@ class HighThroughputMixin:
             routing.copy_(topk_idx)
         expert_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
         dst_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
-        layout = _C.ht_counts_layout(num_ranks, num_local)
+        layout = _counts_layout(num_ranks, num_local)
         counts = launch.empty((layout["total"],), torch.int32, device)
         scratch = launch.empty((_C.ht_notify_scratch_ints(num_tokens, num_experts, num_ranks),), torch.int32, device)
         if do_cpu_sync:
@@ -410,9 +438,7 @@ class HighThroughputMixin:
         self._check_weights("topk_weights", topk_weights, weights_shape, device)
         biases = self._check_bias(bias, handle.num_tokens, hidden, device)
         num_max_tokens = handle.num_max_tokens_per_rank
-        layout = _C.high_throughput_layout(
-            self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False
-        )
+        layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False)
         self._check_fits(
             "combine", layout["combine_bytes"], T=handle.num_tokens, H=hidden, K=handle.num_topk, T_max=num_max_tokens
         )

@@ -53,6 +53,14 @@ void register_runtime(py::module_& m) {
       .def("local_base", [](const Runtime& self) { return reinterpret_cast<std::uintptr_t>(self.local_base()); })
       .def("peer_base",
            [](const Runtime& self, int rank) { return reinterpret_cast<std::uintptr_t>(self.peer_base(rank)); })
+      .def(
+          "copy_into_window",
+          [](const Runtime& self, int rank, int64_t offset, std::uintptr_t src, int64_t num_bytes,
+             std::uintptr_t stream) {
+            self.copy_into_window(rank, offset, reinterpret_cast<const void*>(src), num_bytes,
+                                  reinterpret_cast<cudaStream_t>(stream));
+          },
+          py::arg("rank"), py::arg("offset"), py::arg("src"), py::arg("num_bytes"), py::arg("stream"))
       .def("total_bytes", [](const Runtime& self) { return self.window().total_bytes; })
       .def("error_record",
            [](const Runtime& self) {
@@ -70,6 +78,12 @@ void register_runtime(py::module_& m) {
              d["invalid_expert"] = record.invalid_expert;
              d["num_experts"] = record.num_experts;
              return d;
+           })
+      // Cheap check for the per-call fast path; error_record() builds the full report.
+      .def("has_error",
+           [](const Runtime& self) {
+             const ErrorRecord record = self.error_record();
+             return record.status != 0 || record.invalid_status != 0;
            })
       .def("clear_invalid_input", &Runtime::clear_invalid_input)
       .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))

@@ -115,6 +115,19 @@ uint8_t* Runtime::peer_base(int rank) const {
   return memory_->peer_bases()[rank];
 }
 
+void Runtime::copy_into_window(int rank, int64_t offset, const void* src, int64_t num_bytes,
+                               cudaStream_t stream) const {
+  uint8_t* base = peer_base(rank);
+  const int64_t total = config_.window.total_bytes;
+  if (offset < 0 || num_bytes < 0 || offset > total || num_bytes > total - offset) {
+    throw std::invalid_argument("copy into window: [offset, offset + num_bytes) = [" + std::to_string(offset) + ", " +
+                                std::to_string(offset + num_bytes) + ") must lie in the window [0, " +
+                                std::to_string(total) + ")");
+  }
+  if (num_bytes == 0) return;
+  EP_CUDA_CHECK(cudaMemcpyAsync(base + offset, src, static_cast<size_t>(num_bytes), cudaMemcpyDefault, stream));
+}
+
 ErrorRecord Runtime::error_record() const {
   ErrorRecord copy;
   // The device writes the fields before release-storing the status word; read status first.

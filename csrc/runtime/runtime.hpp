@@ -57,6 +57,10 @@ class Runtime {
   // Window base of this rank / of `rank`, as device addresses valid in this process.
   uint8_t* local_base() const;
   uint8_t* peer_base(int rank) const;
+  // Stream-ordered copy of `num_bytes` from device memory `src` into `rank`'s window at `offset`
+  // (copy engine, cudaMemcpyDefault). A peer's window need not be a valid torch tensor in this
+  // process (torch rejects NCCL-mapped peer memory), so tests and tools write through this.
+  void copy_into_window(int rank, int64_t offset, const void* src, int64_t num_bytes, cudaStream_t stream) const;
 
   // Copy of the host-mapped error record (status 0 = no timeout, invalid_status 0 = no bad input).
   ErrorRecord error_record() const;

@@ -11,7 +11,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -29,13 +30,9 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, num_ranks: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+def _worker(
+    rank: int, num_ranks: int, init_method: str, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
+) -> None:
     os.environ.update(_SAFE_ENV)
     import torch
     import torch.distributed as dist
@@ -54,9 +51,7 @@ def _worker(rank: int, num_ranks: int, port: int, fn: Callable[..., Any], args: 
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device_id
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks, **kwargs
-        )
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
         try:
             value = fn(rank, num_ranks, dist.group.WORLD, *args)
         finally:
@@ -80,9 +75,12 @@ def launch(fn: Callable[..., Any], num_ranks: int, *args: Any, timeout_secs: flo
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    # A file store, not a TCP port: a port picked here and bound later by rank 0 can be taken in
+    # between (NCCL bootstraps open ephemeral ports), which failed launches with EADDRINUSE.
+    store_dir = tempfile.mkdtemp(prefix="deep_ep_launch_")
+    init_method = "file://" + os.path.join(store_dir, "store")
     processes = [
-        context.Process(target=_worker, args=(rank, num_ranks, port, fn, args, results), daemon=True)
+        context.Process(target=_worker, args=(rank, num_ranks, init_method, fn, args, results), daemon=True)
         for rank in range(num_ranks)
     ]
     for process in processes:
@@ -114,6 +112,7 @@ def launch(fn: Callable[..., Any], num_ranks: int, *args: Any, timeout_secs: flo
                     process.terminate()
         for process in processes:
             process.join(timeout=30)
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         rank, remote_traceback, pickled = failure
         original = None

@@ -103,26 +103,23 @@ def _payload_before_barrier(rank, num_ranks, group):
         local = window_tensor(
             buffer, buffer.local_window_base(), offset, (num_ranks, ints_per_slot), torch.int32, "cuda"
         )
-        peer_slots = [
-            window_tensor(
-                buffer,
-                buffer._runtime.peer_base(peer),
-                offset + rank * ints_per_slot * 4,
-                (ints_per_slot,),
-                torch.int32,
-                "cuda",
-            )
-            for peer in range(num_ranks)
-        ]
+        stream = torch.cuda.current_stream().cuda_stream
         base = torch.arange(ints_per_slot, dtype=torch.int32, device="cuda")
         for iteration in range(20):
-            for peer, slot in enumerate(peer_slots):
-                slot.copy_(base * (iteration + 1) + rank * 100_000 + peer)
+            # A peer's window is not a torch tensor here (NCCL-mapped peer memory is not one), so
+            # the payload goes through the runtime's stream-ordered copy into the peer's window.
+            payloads = [base * (iteration + 1) + rank * 100_000 + peer for peer in range(num_ranks)]
+            for peer, payload in enumerate(payloads):
+                buffer._runtime.copy_into_window(
+                    peer, offset + rank * ints_per_slot * 4, payload.data_ptr(), ints_per_slot * 4, stream
+                )
             buffer.barrier()
             expected = torch.stack([base * (iteration + 1) + source * 100_000 + rank for source in range(num_ranks)])
             assert torch.equal(local, expected), f"iteration {iteration}: payload written before the barrier missing"
             buffer.barrier()
         buffer.barrier(with_cpu_sync=True)
+        with pytest.raises(ValueError, match="must lie in the window"):
+            buffer._runtime.copy_into_window(rank, buffer._runtime.total_bytes() - 2, base.data_ptr(), 4, stream)
     finally:
         buffer.destroy()
 
