@@ -371,7 +371,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         """Cross-rank barrier on the current stream; with_cpu_sync waits for it and raises what it saw."""
         self._ensure_usable()
         self._check_device_errors()
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self.device)
         self._runtime.launch_barrier(stream.cuda_stream)
         if with_cpu_sync:
             stream.synchronize()

@@ -69,12 +69,40 @@ def _counts_layout(num_ranks: int, num_local: int) -> dict[str, int]:
     return _C.ht_counts_layout(num_ranks, num_local)
 
 
+_COUNTS_FIELDS = (
+    "recv_per_source",
+    "psum_per_source",
+    "expert_offsets",
+    "unaligned_per_expert",
+    "expert_start",
+    "psum_per_expert",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
+    """Sizes of the counts fields in layout order (the layout packs them back to back)."""
+    layout = _counts_layout(num_ranks, num_local)
+    bounds = [layout[name] for name in _COUNTS_FIELDS] + [layout["total"]]
+    if bounds != sorted(bounds) or bounds[0] != 0:
+        raise AssertionError(f"counts layout is not packed in field order: {layout}")
+    return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _scratch_ints(num_tokens: int, num_experts: int, num_ranks: int) -> int:
+    return _C.ht_notify_scratch_ints(num_tokens, num_experts, num_ranks)
+
+
 class _CommLaunch:
     """One operation's stream protocol: comm waits first, allocations on the chosen stream, and a
     finish() that records the event and either hands it to the caller or makes the caller wait."""
 
-    def __init__(self, comm: torch.cuda.Stream, previous_event: Any, allocate_on_comm_stream: bool) -> None:
-        self.compute = torch.cuda.current_stream()
+    def __init__(
+        self, comm: torch.cuda.Stream, previous_event: Any, allocate_on_comm_stream: bool, device: int
+    ) -> None:
+        # An int device index keeps torch off its slow device-resolution path (host time counts).
+        self.compute = torch.cuda.current_stream(device)
         self.comm = comm
         if previous_event is not None:
             event = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
@@ -238,7 +266,7 @@ class HighThroughputMixin:
 
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
-        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream)
+        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         if cached:
             new_handle = handle
         else:
@@ -341,19 +369,31 @@ class HighThroughputMixin:
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
-        routing = launch.empty((num_tokens, num_topk), torch.int64, device)
-        with torch.cuda.stream(launch.comm):
-            routing.copy_(topk_idx)
-        expert_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
-        dst_slot = launch.empty((num_tokens, num_topk), torch.int32, device)
         layout = _counts_layout(num_ranks, num_local)
-        counts = launch.empty((layout["total"],), torch.int32, device)
-        scratch = launch.empty((_C.ht_notify_scratch_ints(num_tokens, num_experts, num_ranks),), torch.int32, device)
+        entries = num_tokens * num_topk
+        # One allocation split into the handle's int32 arrays: [routing as 2 x int32 per entry]
+        # [expert_slot] [dst_slot] [counts fields in layout order] [notify scratch]. Each torch.empty
+        # costs host time on the uncached path, which the GPU waits for.
+        sizes = (
+            2 * entries,
+            entries,
+            entries,
+            *_counts_field_sizes(num_ranks, num_local),
+            _scratch_ints(num_tokens, num_experts, num_ranks),
+        )
+        block = launch.empty((sum(sizes),), torch.int32, device)
+        routing32, expert_slot, dst_slot, *fields, scratch = block.split(sizes)
+        routing = routing32.view(torch.int64).view(num_tokens, num_topk)
+        expert_slot = expert_slot.view(num_tokens, num_topk)
+        dst_slot = dst_slot.view(num_tokens, num_topk)
+        counts = block.narrow(0, 4 * entries, layout["total"])  # the fields, back to back
+        recv_per_source, psum_per_source, expert_offsets, unaligned, expert_start, psum_per_expert = fields
         if do_cpu_sync:
             self._runtime.reset_mapped_counter(_C.HT_MAPPED_READY)
         _C.ht_notify(
             self._runtime,
-            topk_idx=_pointer(routing),
+            topk_idx=_pointer(topk_idx),
+            topk_idx_copy=_pointer(routing),
             num_tokens=num_tokens,
             num_topk=num_topk,
             num_experts=num_experts,
@@ -368,9 +408,6 @@ class HighThroughputMixin:
             stream=launch.stream,
         )
 
-        def part(name: str, size: int) -> torch.Tensor:
-            return counts[layout[name] : layout[name] + size]
-
         return EPHandle(
             do_expand=do_expand,
             num_experts=num_experts,
@@ -381,9 +418,9 @@ class HighThroughputMixin:
             num_recv_tokens=0,
             num_expanded_tokens=0,
             num_recv_tokens_per_expert_list=[],
-            psum_num_recv_tokens_per_scaleup_rank=part("psum_per_source", num_ranks),
-            psum_num_recv_tokens_per_expert=part("psum_per_expert", num_local),
-            num_unaligned_recv_tokens_per_expert=part("unaligned_per_expert", num_local),
+            psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
+            psum_num_recv_tokens_per_expert=psum_per_expert,
+            num_unaligned_recv_tokens_per_expert=unaligned,
             recv_src_metadata=torch.empty(0),  # allocated once the sizes are known
             dst_buffer_slot_idx=dst_slot,
             num_ranks=num_ranks,
@@ -391,9 +428,9 @@ class HighThroughputMixin:
             num_topk=num_topk,
             is_exact=do_cpu_sync,
             expert_slot_idx=expert_slot,
-            num_recv_tokens_per_scaleup_rank=part("recv_per_source", num_ranks),
-            expert_offsets_per_source=part("expert_offsets", num_ranks * num_local).view(num_ranks, num_local),
-            expert_start=part("expert_start", num_local),
+            num_recv_tokens_per_scaleup_rank=recv_per_source,
+            expert_offsets_per_source=expert_offsets.view(num_ranks, num_local),
+            expert_start=expert_start,
             recv_expanded_row_idx=None,
             counts=counts,
         )
@@ -445,7 +482,7 @@ class HighThroughputMixin:
         num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
         self._check_previous_event(previous_event, allocate_on_comm_stream)
 
-        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream)
+        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         combined_x = launch.empty((handle.num_tokens, hidden), torch.bfloat16, device)
         combined_weights = None
         if topk_weights is not None:

@@ -297,7 +297,7 @@ class LowLatencyMixin:
         return_recv_hook: bool,
         keep_alive: tuple[torch.Tensor, ...],
     ) -> tuple[EventOverlap | None, Callable[[], None] | None]:
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device)
         if return_recv_hook:
             send(compute)
             self._ll_num_pending = self._ll_num_pending + 1

@@ -88,6 +88,7 @@ inline HighThroughputLayout direct_layout(int num_ranks, int64_t num_max_tokens_
 struct NotifyArgs {
   DeviceView view;
   const int64_t* topk_idx = nullptr;  // [T, K]
+  int64_t* topk_idx_copy = nullptr;   // out [T, K]: the handle's own copy of the routing (raw ids)
   int num_tokens = 0;
   int num_topk = 0;
   int num_experts = 0;

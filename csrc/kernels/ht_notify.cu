@@ -8,7 +8,8 @@
 //    rank's tokens in token order (no atomics, so the receive order is (source, token)).
 // CTA 0 meanwhile passes the entry barrier and exchanges counts through the workspace cells
 // ("count + 1", 0 = not arrived), resets the cells it consumed, and writes the handle's counts and,
-// for a CPU sync, the host-mapped counters with the ready cell last.
+// for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs add the bases
+// and copy topk_idx into the handle.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -101,6 +102,9 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   const int num_local = num_experts / args.view.num_ranks;
   const int64_t num_entries = int64_t{args.num_tokens} * args.num_topk;
   for (int64_t entry = first_thread; entry < num_entries; entry += num_threads) {
+    // The handle keeps its own routing (the caller may reuse topk_idx); copied here, not by a
+    // separate copy launch on the host path.
+    args.topk_idx_copy[entry] = args.topk_idx[entry];
     const int expert = sanitized_expert(args.topk_idx, entry, num_experts);
     if (expert < 0) continue;
     const int64_t block = entry / args.num_topk / kNotifyTokensPerBlock;
@@ -269,6 +273,7 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
               std::to_string(kMaxExperts) + "], got " + std::to_string(args.num_experts));
   require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
           "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  require(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
   require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   require(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
           "too many local experts for the host-mapped counters");

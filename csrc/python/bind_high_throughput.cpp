@@ -67,12 +67,13 @@ void register_high_throughput(py::module_& m) {
 
   m.def(
       "ht_notify",
-      [](Runtime& runtime, std::uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int expert_alignment,
-         bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot, std::uintptr_t scratch,
+      [](Runtime& runtime, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy, int num_tokens, int num_topk,
+         int num_experts, int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot, std::uintptr_t scratch,
          std::uintptr_t counts, bool cpu_sync, int num_sms, std::uintptr_t stream) {
         ht::NotifyArgs args;
         args.view = runtime.device_view();
         args.topk_idx = pointer<const int64_t>(topk_idx);
+        args.topk_idx_copy = pointer<int64_t>(topk_idx_copy);
         args.num_tokens = num_tokens;
         args.num_topk = num_topk;
         args.num_experts = num_experts;
@@ -86,8 +87,9 @@ void register_high_throughput(py::module_& m) {
         args.num_sms = num_sms;
         ht::launch_notify(args, as_stream(stream));
       },
-      py::arg("runtime"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-      py::arg("expert_alignment"), py::arg("do_expand"), py::arg("expert_slot"), py::arg("dst_slot"),
+      py::arg("runtime"), py::arg("topk_idx"), py::arg("topk_idx_copy"), py::arg("num_tokens"), py::arg("num_topk"),
+      py::arg("num_experts"), py::arg("expert_alignment"), py::arg("do_expand"), py::arg("expert_slot"),
+      py::arg("dst_slot"),
       py::arg("scratch"), py::arg("counts"), py::arg("cpu_sync"), py::arg("num_sms"), py::arg("stream"));
 
   m.def(
