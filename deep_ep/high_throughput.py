@@ -498,6 +498,7 @@ class HighThroughputMixin:
             counts=_pointer(handle.counts),
             recv_src_metadata=_pointer(handle.recv_src_metadata),
             recv_expanded_rows=_pointer(handle.recv_expanded_row_idx),
+            num_meta_rows=handle.recv_src_metadata.shape[0],
             num_sms=num_sms,
             stream=launch.stream,
         )

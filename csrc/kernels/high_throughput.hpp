@@ -156,6 +156,7 @@ struct CombineArgs {
   const int32_t* counts = nullptr;              // the handle's counts_layout(R, L)
   const int32_t* recv_src_metadata = nullptr;   // [N, 3]
   const int32_t* recv_expanded_rows = nullptr;  // expand [N, K]
+  int64_t num_meta_rows = 0;                    // N the host allocated the two arrays above for
   int num_sms = 1;
 };
 

@@ -118,7 +118,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
   check_combine_shape(args.num_topk, args.hidden);
-  require(!args.do_expand || args.recv_expanded_rows != nullptr, "expand combine needs the expanded row map");
+  // With no received rows (every rank dispatched nothing here) the per-row arrays are empty, so
+  // their pointers may be null; the kernel reads no row then.
+  require(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));
+  require(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr, "combine needs the handle's source metadata");
+  require(args.num_meta_rows == 0 || !args.do_expand || args.recv_expanded_rows != nullptr,
+          "expand combine needs the expanded row map");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");
 }

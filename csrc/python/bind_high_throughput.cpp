@@ -164,7 +164,7 @@ void register_high_throughput(py::module_& m) {
       "ht_combine",
       [](Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk, bool do_expand, std::uintptr_t x,
          std::uintptr_t topk_weights, std::uintptr_t counts, std::uintptr_t recv_src_metadata,
-         std::uintptr_t recv_expanded_rows, int num_sms, std::uintptr_t stream) {
+         std::uintptr_t recv_expanded_rows, int64_t num_meta_rows, int num_sms, std::uintptr_t stream) {
         ht::CombineArgs args;
         args.view = runtime.device_view();
         check_fits(runtime, HtOperation::kCombine, num_max_tokens_per_rank, hidden, num_topk, false);
@@ -178,12 +178,13 @@ void register_high_throughput(py::module_& m) {
         args.counts = pointer<const int32_t>(counts);
         args.recv_src_metadata = pointer<const int32_t>(recv_src_metadata);
         args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
+        args.num_meta_rows = num_meta_rows;
         args.num_sms = num_sms;
         ht::launch_combine(args, as_stream(stream));
       },
       py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_topk"),
       py::arg("do_expand"), py::arg("x"), py::arg("topk_weights"), py::arg("counts"), py::arg("recv_src_metadata"),
-      py::arg("recv_expanded_rows"), py::arg("num_sms"), py::arg("stream"));
+      py::arg("recv_expanded_rows"), py::arg("num_meta_rows"), py::arg("num_sms"), py::arg("stream"));
 
   m.def(
       "ht_combine_reduce",

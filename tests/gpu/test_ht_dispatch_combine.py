@@ -7,8 +7,10 @@ one launch on one buffer sized for the largest.
 
 from __future__ import annotations
 
-from ht_checks import Case, make_buffer, run_case
+import torch
+from ht_checks import Case, device, make_buffer, run_case
 
+from deep_ep import per_token_cast_to_fp8
 from deep_ep.testing import launch
 
 CASES = [
@@ -59,9 +61,33 @@ CASES = [
 ]
 
 
+def _nothing_received(buffer, num_ranks):
+    """Every rank dispatches T = 0: empty outputs and handle arrays (null data pointers), and the
+    combine of nothing, expand or not, must work (it once refused: "expand combine needs the
+    expanded row map")."""
+    num_experts = 8 * num_ranks
+    hidden = 2048
+    for do_expand in (False, True):
+        for use_fp8 in (False, True):
+            x = torch.empty(0, hidden, dtype=torch.bfloat16, device=device())
+            dispatched = per_token_cast_to_fp8(x) if use_fp8 else x
+            topk_idx = torch.empty(0, 4, dtype=torch.int64, device=device())
+            weights = torch.empty(0, 4, dtype=torch.float32, device=device())
+            recv_x, _, recv_weights, handle, _ = buffer.dispatch(
+                dispatched, topk_idx, weights, num_experts=num_experts, do_expand=do_expand, expert_alignment=4
+            )
+            rows = recv_x[0] if use_fp8 else recv_x
+            assert handle.num_recv_tokens == 0 and rows.shape == (0, hidden), (do_expand, use_fp8, rows.shape)
+            assert handle.num_recv_tokens_per_expert_list == [0] * (num_experts // num_ranks)
+            y = torch.empty(rows.shape, dtype=torch.bfloat16, device=device())
+            combined, combined_weights, _ = buffer.combine(y, handle, topk_weights=recv_weights)
+            assert combined.shape == (0, hidden) and combined_weights.shape == (0, 4)
+
+
 def _run_cases(rank, num_ranks, group):
     buffer = make_buffer(group)
     try:
+        _nothing_received(buffer, num_ranks)
         for case in CASES:
             run_case(buffer, rank, num_ranks, case)
         buffer._check_device_errors()
