@@ -8,6 +8,7 @@ LowLatencyMixin; this file owns construction, sizing, errors and teardown.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import warnings
@@ -37,6 +38,8 @@ __all__ = ["ElasticBuffer", "EPHandle"]
 
 _comm_streams: dict[int, torch.cuda.Stream] = {}
 _warned_no_mps = False
+# Handles record the serial of the buffer that made them (ids of dead objects are reused; serials are not).
+_buffer_serials = itertools.count(1)
 
 
 def _comm_stream(device: int) -> torch.cuda.Stream:
@@ -90,6 +93,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         explicitly_destroy: bool = False,
     ) -> None:
         self._runtime: Any = None
+        self._serial = next(_buffer_serials)
         self._destroyed = False
         self._failure: CommTimeoutError | None = None
         if not torch.cuda.is_available():

@@ -47,6 +47,8 @@ class EPHandle:
         recv_expanded_row_idx: expand only, [N, K], the expanded row of (received row, k), -1 where
             expert k is not local.
         counts: the single allocation the views above live in (what the kernels read).
+        owner_id: serial of the buffer whose dispatch made the handle; combine and cached dispatch
+            refuse a handle of another buffer (its window layout and slots are not theirs).
     """
 
     do_expand: bool
@@ -73,6 +75,7 @@ class EPHandle:
     expert_start: torch.Tensor
     recv_expanded_row_idx: torch.Tensor | None
     counts: torch.Tensor
+    owner_id: int = 0
 
     @property
     def num_local_experts(self) -> int:

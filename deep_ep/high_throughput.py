@@ -149,6 +149,7 @@ class HighThroughputMixin:
     _window: dict[str, int]
     _comm_stream: torch.cuda.Stream
     _max_num_sms: int
+    _serial: int
     num_ranks: int
     rank_idx: int
     num_max_tokens_per_rank: int
@@ -224,7 +225,7 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_device_errors()
-        device = torch.device("cuda", self.device)
+        device = self._cuda_device()
         data, scales = self._check_dispatch_x(x, device)
         num_tokens, hidden = data.shape
         use_fp8 = scales is not None
@@ -433,6 +434,7 @@ class HighThroughputMixin:
             expert_start=expert_start,
             recv_expanded_row_idx=None,
             counts=counts,
+            owner_id=self._serial,
         )
 
     # ------------------------------------------------------------------ combine
@@ -462,7 +464,8 @@ class HighThroughputMixin:
         self._check_device_errors()
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
-        device = torch.device("cuda", self.device)
+        self._check_handle_owner(handle)
+        device = self._cuda_device()
         num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
         self._check_tensor("x", x, device)
@@ -522,10 +525,24 @@ class HighThroughputMixin:
 
     # ------------------------------------------------------------------ validation
 
+    def _check_handle_owner(self, handle: EPHandle) -> None:
+        if handle.owner_id != self._serial:
+            raise ValueError(
+                "handle comes from a dispatch of another buffer: its slots and counts describe that buffer's "
+                "window; pass it to the buffer that dispatched"
+            )
+
+    def _cuda_device(self) -> torch.device:
+        device = self.__dict__.get("_torch_device")
+        if device is None:
+            device = self.__dict__["_torch_device"] = torch.device("cuda", self.device)
+        return device
+
     def _check_tensor(self, name: str, tensor: Any, device: torch.device) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device != device:
+        # get_device() is an int (-1 on the CPU): cheaper than building tensor.device per check.
+        if not tensor.is_cuda or tensor.get_device() != device.index:
             raise ValueError(f"{name} must be on this buffer's device {device}, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {_describe(tensor)}")
@@ -638,6 +655,7 @@ class HighThroughputMixin:
     ) -> None:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle returned by dispatch, got {type(handle).__name__}")
+        self._check_handle_owner(handle)
         if topk_idx is not None:
             raise ValueError(
                 f"topk_idx must be None with handle= (cached dispatch reuses the handle's routing), got "

@@ -109,6 +109,7 @@ class LowLatencyMixin:
     _runtime: Any
     _window: dict
     _comm_stream: torch.cuda.Stream
+    _serial: int
     _max_num_sms: int
     num_ranks: int
     hidden: int
@@ -166,7 +167,7 @@ class LowLatencyMixin:
         views = self._ll_views(parity)
         recv_x = (views["x_fp8"], views["x_scales"]) if use_fp8 else views["x_bf16"]
         handle = LowLatencyHandle(
-            owner_id=id(self),
+            owner_id=self._serial,
             parity=parity,
             op_index=op_index,
             num_tokens=num_tokens,
@@ -431,7 +432,7 @@ class LowLatencyMixin:
             raise TypeError(
                 f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle).__name__}"
             )
-        if handle.owner_id != id(self):
+        if handle.owner_id != self._serial:
             raise ValueError("handle comes from a low_latency_dispatch of another buffer")
         if not handle.received:
             raise RuntimeError(

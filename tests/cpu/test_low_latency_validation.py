@@ -7,6 +7,8 @@ with AttributeError instead of the asserted error).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ NUM_RANKS = 2
 NUM_EXPERTS = 8
 LL_TOPK = 4
 NUM_LOCAL = NUM_EXPERTS // NUM_RANKS
+_serials = itertools.count(1)
 
 
 class FakeBuffer(LowLatencyMixin):
@@ -31,6 +34,7 @@ class FakeBuffer(LowLatencyMixin):
         self.num_experts = NUM_EXPERTS
         self.num_ll_topk = LL_TOPK
         self._max_num_sms = 4
+        self._serial = next(_serials)
 
     def _ensure_usable(self) -> None:
         pass
@@ -53,7 +57,7 @@ def _idx(num_tokens: int = 4, num_topk: int = LL_TOPK, dtype: torch.dtype = torc
 def _handle(buffer: FakeBuffer, *, num_tokens: int = 4, received: bool = True, op_index: int = 0) -> LowLatencyHandle:
     empty = torch.empty(0, dtype=torch.int32)
     return LowLatencyHandle(
-        owner_id=id(buffer),
+        owner_id=buffer._serial,
         parity=0,
         op_index=op_index,
         num_tokens=num_tokens,

@@ -4,6 +4,8 @@ the device, reported as ValueError, and the buffer keeps working."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from ht_checks import device, make_buffer
@@ -111,6 +113,9 @@ def _bad_inputs(rank, num_ranks, group):
         )
         refuses(r"bias must be a tensor or a pair", lambda: buffer.combine(recv_x, handle, bias=(x, x, x)))
         refuses(r"handle must be the EPHandle", lambda: buffer.combine(recv_x, None), TypeError)
+        foreign = dataclasses.replace(handle, owner_id=handle.owner_id + 1_000)
+        refuses(r"handle comes from a dispatch of another buffer", lambda: buffer.combine(recv_x, foreign))
+        refuses(r"handle comes from a dispatch of another buffer", lambda: dispatch(x, handle=foreign))
 
         # Device-detected: an expert id >= E on rank 0 only; every rank still completes the protocol.
         bad = topk_idx.clone()
