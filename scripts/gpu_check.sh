@@ -3,7 +3,7 @@
 # rank count, run the benchmarks, stop MPS, and print a short summary last. Logs, JSON and plots go
 # to $OUT (the device tool's output folder) or ./out.
 #
-# Knobs: EP_GPU_CHECK_RANKS (default 1,2,4,8), EP_GPU_CHECK_TESTS (default tests/gpu),
+# Knobs: EP_GPU_CHECK_RANKS (default 1,2,4,8; "none" runs no tests), EP_GPU_CHECK_TESTS (default tests/gpu),
 #        EP_GPU_CHECK_BENCH (1 = run benchmarks, default 1), EP_GPU_CHECK_BENCH_RANKS (default 8),
 #        EP_GPU_CHECK_BENCH_ARGS / EP_GPU_CHECK_LL_ARGS (extra arguments for bench_ht.py /
 #        bench_ll.py, e.g. "--tokens 4096,8192 --baseline --num-sms 0,8,16,24,32,64"),
@@ -53,6 +53,7 @@ bash scripts/mps.sh start || summary+=("mps: not started (ranks sharing a GPU wi
 trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
 
 status=0
+[[ $RANKS == none ]] && RANKS=""
 for n in ${RANKS//,/ }; do
   t0=$(date +%s)
   EP_TEST_RANKS=$n timeout "$PER_RUN_TIMEOUT" $PY -m pytest $TESTS -q -rs -s -p no:cacheprovider --durations=12 \
