@@ -1,8 +1,10 @@
 """EPHandle: the stats view and the tensors it keeps alive (no GPU needed)."""
 
+import pytest
 import torch
 
 from deep_ep.handle import EPHandle
+from deep_ep.high_throughput import HighThroughputMixin, _counts_field_sizes, _counts_layout
 
 
 def _handle(do_expand: bool) -> EPHandle:
@@ -47,3 +49,40 @@ def test_tensors_lists_every_owned_device_tensor_once():
     assert len(plain.tensors()) == 5
     assert len(expanded.tensors()) == 6
     assert any(tensor is expanded.recv_expanded_row_idx for tensor in expanded.tensors())
+
+
+class _FakeHighThroughputBuffer(HighThroughputMixin):
+    """What ElasticBuffer gives the HT mixin before combine's first check; no runtime, no GPU."""
+
+    def __init__(self, serial: int) -> None:
+        self._serial = serial
+        self.device = 0
+
+    def _ensure_usable(self) -> None:
+        pass
+
+    def _check_device_errors(self) -> None:
+        pass
+
+
+def test_combine_refuses_a_handle_of_another_buffer_before_touching_tensors():
+    mine, other = _FakeHighThroughputBuffer(serial=1), _FakeHighThroughputBuffer(serial=2)
+    handle = _handle(do_expand=False)
+    handle.owner_id = other._serial
+    x = torch.zeros(5, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="handle comes from a dispatch of another buffer"):
+        mine.combine(x, handle)
+    with pytest.raises(TypeError, match="handle must be the EPHandle"):
+        mine.combine(x, object())
+    # The owner gets past the check and on to the tensor checks (a CPU tensor is refused there).
+    with pytest.raises(ValueError, match="must be on this buffer's device"):
+        other.combine(x, handle)
+
+
+@pytest.mark.parametrize(("num_ranks", "num_local"), [(1, 1), (2, 128), (8, 32), (64, 4)])
+def test_handle_counts_fields_are_packed_back_to_back(num_ranks, num_local):
+    # dispatch splits one allocation into these views, in this order.
+    sizes = _counts_field_sizes(num_ranks, num_local)
+    ranks, local = num_ranks, num_local
+    assert sizes == (ranks, ranks, ranks * local, local, local, local)
+    assert sum(sizes) == _counts_layout(num_ranks, num_local)["total"]
