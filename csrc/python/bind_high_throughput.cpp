@@ -68,8 +68,8 @@ void register_high_throughput(py::module_& m) {
   m.def(
       "ht_notify",
       [](Runtime& runtime, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy, int num_tokens, int num_topk,
-         int num_experts, int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot, std::uintptr_t scratch,
-         std::uintptr_t counts, bool cpu_sync, int num_sms, std::uintptr_t stream) {
+         int num_experts, int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot,
+         std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync, int num_sms, std::uintptr_t stream) {
         ht::NotifyArgs args;
         args.view = runtime.device_view();
         args.topk_idx = pointer<const int64_t>(topk_idx);
@@ -89,8 +89,8 @@ void register_high_throughput(py::module_& m) {
       },
       py::arg("runtime"), py::arg("topk_idx"), py::arg("topk_idx_copy"), py::arg("num_tokens"), py::arg("num_topk"),
       py::arg("num_experts"), py::arg("expert_alignment"), py::arg("do_expand"), py::arg("expert_slot"),
-      py::arg("dst_slot"),
-      py::arg("scratch"), py::arg("counts"), py::arg("cpu_sync"), py::arg("num_sms"), py::arg("stream"));
+      py::arg("dst_slot"), py::arg("scratch"), py::arg("counts"), py::arg("cpu_sync"), py::arg("num_sms"),
+      py::arg("stream"));
 
   m.def(
       "ht_dispatch",
