@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -43,3 +44,11 @@ def run_ranks(
     from deep_ep.testing import launch
 
     return launch(bench_rank, num_ranks, config, timeout_secs=1800)
+
+
+def save_summary(summary: dict[str, Any], out_dir: str, stem: str, plot: Callable[[dict[str, Any], str], None]) -> None:
+    """Write ``out_dir/<stem>.json`` and the plot ``out_dir/<stem>.png`` (drawn by ``plot(summary, path)``)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as file:
+        json.dump(summary, file, indent=1)
+    plot(summary, os.path.join(out_dir, f"{stem}.png"))

@@ -18,7 +18,6 @@ time / our time) on the dispatch_bf16 and combine_bf16 rows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from a2a_baseline import a2a_combine, a2a_dispatch
-from bench_common import copy_bandwidth_gbs, run_ranks
+from bench_common import copy_bandwidth_gbs, run_ranks, save_summary
 
 import deep_ep
 
@@ -188,14 +187,11 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
         operations, handle = operations_at(requested)
         for name, operation in operations.items():
             measure(name, operation, requested, handle.num_sms, handle.num_recv_tokens)
-        if config.get("host_profile") and rank == 0 and requested == config["num_sms"][0]:
-            # Rank 0 profiles while the others run the same calls (the count exchange needs them).
+        if config.get("host_profile") and requested == config["num_sms"][0]:
+            # Every rank makes the calls (the count exchange needs them all); rank 0 prints.
             profile_text = host_profile(operations["dispatch_fp8"])
-            print(f"[bench_ht] host profile, dispatch_fp8, T={num_tokens}:\n{profile_text}")
-        elif config.get("host_profile") and requested == config["num_sms"][0]:
-            for _ in range(200):
-                operations["dispatch_fp8"]()
-            torch.cuda.synchronize()
+            if rank == 0:
+                print(f"[bench_ht] host profile, dispatch_fp8, T={num_tokens}:\n{profile_text}")
 
     if config.get("baseline"):
         group = buffer.group
@@ -397,10 +393,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_ht.json"), "w") as file:
-        json.dump(summary, file, indent=1)
-    plot(summary, os.path.join(out_dir, "bench_ht.png"))
+    save_summary(summary, out_dir, "bench_ht", plot)
     # 20 columns fit our operation names (the committed tables); the baseline's are longer.
     width = max([20] + [len(row["operation"]) + 1 for row in summary["rows"]])
     print(

@@ -23,7 +23,6 @@ floor / measured time. Writes DIR/bench_ll.json and DIR/bench_ll.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import copy_bandwidth_gbs, run_ranks
+from bench_common import copy_bandwidth_gbs, run_ranks, save_summary
 
 import deep_ep
 from deep_ep import _C
@@ -297,10 +296,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_ll.json"), "w") as file:
-        json.dump(summary, file, indent=1)
-    plot(summary, os.path.join(out_dir, "bench_ll.png"))
+    save_summary(summary, out_dir, "bench_ll", plot)
     print(
         f"copy bandwidth {summary['copy_gbs_per_gpu']} GB/s, barrier {summary['barrier_us']:.1f} us, "
         f"SM cap per rank {summary['sm_cap_per_rank']}"

@@ -128,6 +128,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.rank_idx = group.rank()
         self.num_ranks = group.size()
         self.device = torch.cuda.current_device()
+        self._torch_device = torch.device("cuda", self.device)  # built once: the call paths compare against it
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute

@@ -150,6 +150,7 @@ class HighThroughputMixin:
     _comm_stream: torch.cuda.Stream
     _max_num_sms: int
     _serial: int
+    _torch_device: torch.device
     num_ranks: int
     rank_idx: int
     num_max_tokens_per_rank: int
@@ -225,7 +226,7 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_device_errors()
-        device = self._cuda_device()
+        device = self._torch_device
         data, scales = self._check_dispatch_x(x, device)
         num_tokens, hidden = data.shape
         use_fp8 = scales is not None
@@ -465,7 +466,7 @@ class HighThroughputMixin:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
         self._check_handle_owner(handle)
-        device = self._cuda_device()
+        device = self._torch_device
         num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
         self._check_tensor("x", x, device)
@@ -531,12 +532,6 @@ class HighThroughputMixin:
                 "handle comes from a dispatch of another buffer: its slots and counts describe that buffer's "
                 "window; pass it to the buffer that dispatched"
             )
-
-    def _cuda_device(self) -> torch.device:
-        device = self.__dict__.get("_torch_device")
-        if device is None:
-            device = self.__dict__["_torch_device"] = torch.device("cuda", self.device)
-        return device
 
     def _check_tensor(self, name: str, tensor: Any, device: torch.device) -> None:
         if not isinstance(tensor, torch.Tensor):

@@ -110,6 +110,7 @@ class LowLatencyMixin:
     _window: dict
     _comm_stream: torch.cuda.Stream
     _serial: int
+    _torch_device: torch.device
     _max_num_sms: int
     num_ranks: int
     hidden: int
@@ -364,7 +365,7 @@ class LowLatencyMixin:
         return {name: view[...] for name, view in cache[parity].items()}
 
     def _ll_device(self) -> torch.device:
-        return torch.device("cuda", self.device)
+        return self._torch_device
 
     # --------------------------------------------------------------- validation
 

@@ -57,6 +57,7 @@ class _FakeHighThroughputBuffer(HighThroughputMixin):
     def __init__(self, serial: int) -> None:
         self._serial = serial
         self.device = 0
+        self._torch_device = torch.device("cuda", 0)
 
     def _ensure_usable(self) -> None:
         pass
