@@ -10,7 +10,7 @@ from deep_ep._nccl_check import check_nccl
 check_nccl(_C.nccl_compiled_version(), _C.nccl_loaded_version(), _C.nccl_library_path())
 
 from deep_ep.buffer import ElasticBuffer  # noqa: E402
-from deep_ep.errors import BufferTooSmallError, CommTimeoutError  # noqa: E402
+from deep_ep.errors import BufferTooSmallError, CommTimeoutError, PeerInputError  # noqa: E402
 from deep_ep.event import EventOverlap  # noqa: E402
 from deep_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8  # noqa: E402
 from deep_ep.handle import EPHandle  # noqa: E402
@@ -23,6 +23,7 @@ __all__ = [
     "EPHandle",
     "EventOverlap",
     "LowLatencyHandle",
+    "PeerInputError",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
 ]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import _C
-from deep_ep.errors import CommTimeoutError
+from deep_ep.errors import CommTimeoutError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import HighThroughputMixin
@@ -63,6 +63,43 @@ def _env_seconds(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
+def _invalid_entry_message(record: dict[str, Any]) -> str:
+    expert, token, operation = record["invalid_expert"], record["invalid_token"], record["invalid_operation"]
+    if record["invalid_kind"] == "duplicate":
+        return (
+            f"topk_idx row {token} selects expert {expert} more than once (detected on the device by {operation}); "
+            "only its first slot counted, the repeats were treated as -1"
+        )
+    return (
+        f"topk_idx contains expert id {expert} outside [-1, {record['num_experts']}) at row {token} (detected on "
+        f"the device by {operation}; that entry was treated as -1)"
+    )
+
+
+def _outcome(action: Any) -> tuple[Any, tuple[str, str] | None]:
+    """(result, None) or (None, (exception type name, message)) of ``action()``."""
+    try:
+        return action(), None
+    except Exception as error:  # noqa: BLE001 - reported to every rank by the caller
+        return None, (type(error).__name__, str(error))
+
+
+def _raise_if_any_rank_failed(step: str, errors: list[tuple[str, str] | None]) -> None:
+    """Raise on every rank alike when any rank's entry is an error: ValueError / TypeError when
+    every failing rank raised that type (a bad argument), else RuntimeError."""
+    failed = {rank: error for rank, error in enumerate(errors) if error is not None}
+    if not failed:
+        return
+    kinds = {kind for kind, _ in failed.values()}
+    error_type: type[Exception] = RuntimeError
+    if kinds == {"ValueError"} or kinds == {"BufferTooSmallError"}:
+        error_type = ValueError
+    elif kinds == {"TypeError"}:
+        error_type = TypeError
+    details = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in sorted(failed.items()))
+    raise error_type(f"ElasticBuffer construction failed at {step} on rank(s) {sorted(failed)}: {details}")
+
+
 class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
     """Symmetric-memory buffer for expert-parallel dispatch and combine (docs/api.md).
 
@@ -98,77 +135,64 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self._failure: CommTimeoutError | None = None
         if not torch.cuda.is_available():
             raise RuntimeError("ElasticBuffer needs a CUDA device; none is available")
-        if not allow_multiple_reduction:
-            raise ValueError(
-                "allow_multiple_reduction=False is not supported: combine always sums a rank's rows for a token "
-                "before sending them (one bf16 rounding per rank)"
-            )
-        for name, value in (
-            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-            ("hidden", hidden),
-            ("num_topk", num_topk),
-            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
-            ("num_experts", num_experts),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if num_gpu_timeout_secs is None:
-            num_gpu_timeout_secs = _env_seconds("EP_GPU_TIMEOUT_SECS", 100.0)
-        if num_cpu_timeout_secs is None:
-            num_cpu_timeout_secs = _env_seconds("EP_CPU_TIMEOUT_SECS", 300.0)
-        if num_gpu_timeout_secs <= 0 or num_cpu_timeout_secs <= 0:
-            raise ValueError(
-                f"timeouts must be positive, got num_gpu_timeout_secs={num_gpu_timeout_secs}, "
-                f"num_cpu_timeout_secs={num_cpu_timeout_secs}"
-            )
-        if num_bytes is not None and (num_bytes <= 0 or num_bytes % _C.WINDOW_ALIGN_BYTES != 0):
-            raise ValueError(f"num_bytes must be a positive multiple of 2 MiB (2097152), got {num_bytes}")
-
         self.group = group
         self.rank_idx = group.rank()
         self.num_ranks = group.size()
         self.device = torch.cuda.current_device()
         self._torch_device = torch.device("cuda", self.device)  # built once: the call paths compare against it
+
+        # Construction is collective: a rank that raised alone would leave the others blocked in the
+        # next exchange. Every check that can differ between ranks therefore runs before an exchange
+        # every rank joins, and every rank raises the same error, naming the failing rank(s).
+        settings: dict[str, Any] = {}
+        local_error: tuple[str, str] | None = None
+        try:
+            settings = self._check_settings(
+                num_bytes=num_bytes,
+                num_max_tokens_per_rank=num_max_tokens_per_rank,
+                hidden=hidden,
+                num_topk=num_topk,
+                use_fp8_dispatch=use_fp8_dispatch,
+                num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                num_experts=num_experts,
+                allow_hybrid_mode=allow_hybrid_mode,
+                allow_multiple_reduction=allow_multiple_reduction,
+                num_gpu_timeout_secs=num_gpu_timeout_secs,
+                num_cpu_timeout_secs=num_cpu_timeout_secs,
+                backend=backend,
+                num_ranks_per_node=num_ranks_per_node,
+            )
+        except (ValueError, TypeError) as error:
+            local_error = (type(error).__name__, str(error))
+        properties = torch.cuda.get_device_properties(self.device)
+        facts = RankFacts(
+            host=socket.gethostname(), device_uuid=str(properties.uuid), sm_count=properties.multi_processor_count
+        )
+        gathered: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(gathered, (facts, settings, local_error), group=group)
+        _raise_if_any_rank_failed("settings check", [item[2] for item in gathered])
+        for name, value in settings.items():
+            if name == "num_cpu_timeout_secs":  # a host-side wait of this rank alone
+                continue
+            values = [item[1][name] for item in gathered]
+            if any(other != value for other in values):
+                raise ValueError(f"every rank must pass the same {name}; got {values} (index = rank)")
+        all_facts = [item[0] for item in gathered]
+
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
         self.deterministic = deterministic
         self.explicitly_destroy = explicitly_destroy
-        self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
-        self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
+        self.num_gpu_timeout_secs = settings["num_gpu_timeout_secs"]
+        self.num_cpu_timeout_secs = settings["num_cpu_timeout_secs"]
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
         self.use_fp8_dispatch = use_fp8_dispatch
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.num_experts = num_experts
-
-        backend = requested_backend(backend)
-        # Every rank must agree on every setting: the window has the same size and layout everywhere.
-        settings = {
-            "num_bytes": num_bytes,
-            "num_max_tokens_per_rank": num_max_tokens_per_rank,
-            "hidden": hidden,
-            "num_topk": num_topk,
-            "use_fp8_dispatch": use_fp8_dispatch,
-            "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank,
-            "num_experts": num_experts,
-            "allow_hybrid_mode": allow_hybrid_mode,
-            "backend": backend,
-            "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
-            "num_gpu_timeout_secs": self.num_gpu_timeout_secs,
-        }
-        properties = torch.cuda.get_device_properties(self.device)
-        facts = RankFacts(
-            host=socket.gethostname(), device_uuid=str(properties.uuid), sm_count=properties.multi_processor_count
-        )
-        gathered: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(gathered, (facts, settings), group=group)
-        all_facts = [item[0] for item in gathered]
-        for name, value in settings.items():
-            values = [item[1][name] for item in gathered]
-            if any(other != value for other in values):
-                raise ValueError(f"every rank must pass the same {name}; got {values} (index = rank)")
+        backend = settings["backend"]
 
         topology = build_topology(
             all_facts, self.rank_idx, num_ranks_per_node=num_ranks_per_node, allow_hybrid_mode=allow_hybrid_mode
@@ -205,6 +229,65 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 f"scaleout={self.num_scaleout_ranks} scaleup={self.num_scaleup_ranks} sm_cap={self._max_num_sms}",
                 flush=True,
             )
+
+    @staticmethod
+    def _check_settings(
+        *,
+        num_bytes: int | None,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        use_fp8_dispatch: bool,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        allow_hybrid_mode: bool,
+        allow_multiple_reduction: bool,
+        num_gpu_timeout_secs: float | None,
+        num_cpu_timeout_secs: float | None,
+        backend: str | None,
+        num_ranks_per_node: int | None,
+    ) -> dict[str, Any]:
+        """This rank's settings, resolved from arguments and environment; raises on a bad one. Every
+        rank must end up with the same values (the window has one size and layout everywhere)."""
+        if not allow_multiple_reduction:
+            raise ValueError(
+                "allow_multiple_reduction=False is not supported: combine always sums a rank's rows for a token "
+                "before sending them (one bf16 rounding per rank)"
+            )
+        for name, value in (
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            ("hidden", hidden),
+            ("num_topk", num_topk),
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("num_experts", num_experts),
+        ):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if num_gpu_timeout_secs is None:
+            num_gpu_timeout_secs = _env_seconds("EP_GPU_TIMEOUT_SECS", 100.0)
+        if num_cpu_timeout_secs is None:
+            num_cpu_timeout_secs = _env_seconds("EP_CPU_TIMEOUT_SECS", 300.0)
+        if num_gpu_timeout_secs <= 0 or num_cpu_timeout_secs <= 0:
+            raise ValueError(
+                f"timeouts must be positive, got num_gpu_timeout_secs={num_gpu_timeout_secs}, "
+                f"num_cpu_timeout_secs={num_cpu_timeout_secs}"
+            )
+        if num_bytes is not None and (num_bytes <= 0 or num_bytes % _C.WINDOW_ALIGN_BYTES != 0):
+            raise ValueError(f"num_bytes must be a positive multiple of 2 MiB (2097152), got {num_bytes}")
+        return {
+            "num_bytes": num_bytes,
+            "num_max_tokens_per_rank": num_max_tokens_per_rank,
+            "hidden": hidden,
+            "num_topk": num_topk,
+            "use_fp8_dispatch": use_fp8_dispatch,
+            "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank,
+            "num_experts": num_experts,
+            "allow_hybrid_mode": allow_hybrid_mode,
+            "backend": requested_backend(backend),
+            "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
+            "num_gpu_timeout_secs": float(num_gpu_timeout_secs),
+            "num_cpu_timeout_secs": float(num_cpu_timeout_secs),
+        }
 
     # ------------------------------------------------------------------ sizing
 
@@ -274,10 +357,12 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
     # -------------------------------------------------------------- bootstrap
 
     def _connect(self, ht_region: int, ll_region: int) -> None:
+        """Window allocation and peer mapping, in steps every rank joins: after each step the ranks
+        agree on its outcome before any of them enters the next collective one."""
         backend = self.backend
-        error: str | None = None
-        try:
-            self._runtime = _C.Runtime(
+
+        def create() -> Any:
+            return _C.Runtime(
                 self.rank_idx,
                 self.num_ranks,
                 self.num_scaleup_ranks,
@@ -288,25 +373,38 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 self.num_cpu_timeout_secs,
                 backend,
             )
+
+        try:
+            self._runtime = self._agree("window allocation" if backend == "ipc" else "runtime setup", create)
             if backend == "ipc":
+                handle = self._agree("IPC handle export", self._runtime.ipc_handle)
                 handles: list[Any] = [None] * self.num_ranks
-                dist.all_gather_object(handles, self._runtime.ipc_handle(), group=self.group)
-                self._runtime.connect_ipc(handles)
+                dist.all_gather_object(handles, handle, group=self.group)
+                self._agree("peer mapping", lambda: self._runtime.connect_ipc(handles))
             else:
-                unique_id = [_C.Runtime.create_nccl_unique_id() if self.rank_idx == 0 else None]
-                dist.broadcast_object_list(unique_id, src=dist.get_global_rank(self.group, 0), group=self.group)
-                self._runtime.connect_nccl(unique_id[0])
-        except Exception as exc:  # noqa: BLE001 - reported collectively below
-            error = f"{type(exc).__name__}: {exc}"
-        # Agree on the outcome so no rank proceeds into a kernel that waits for a rank that failed.
-        outcomes: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(outcomes, error, group=self.group)
-        failed = {rank: message for rank, message in enumerate(outcomes) if message is not None}
-        if failed:
+                created: list[Any] = [None]
+                if self.rank_idx == 0:
+                    created = [_outcome(_C.Runtime.create_nccl_unique_id)]
+                dist.broadcast_object_list(created, src=dist.get_global_rank(self.group, 0), group=self.group)
+                unique_id, error = created[0]
+                _raise_if_any_rank_failed("NCCL unique id", [error] + [None] * (self.num_ranks - 1))
+                self._agree("NCCL communicator", lambda: self._runtime.connect_nccl(unique_id))
+                self._agree("window allocation", self._runtime.allocate_nccl_window)
+                self._agree("window registration", self._runtime.register_nccl_window)
+        except BaseException:
+            # Nothing of a failed construction stays allocated.
             if self._runtime is not None:
                 self._runtime.destroy()
                 self._runtime = None
-            raise RuntimeError(f"ElasticBuffer construction failed ({backend} backend): {failed}")
+            raise
+
+    def _agree(self, step: str, action: Any) -> Any:
+        """Run ``action`` on this rank, then learn every rank's outcome; all raise alike if any failed."""
+        result, error = _outcome(action)
+        outcomes: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(outcomes, error, group=self.group)
+        _raise_if_any_rank_failed(f"{step} ({self.backend} backend)", outcomes)
+        return result
 
     # ------------------------------------------------------------ error state
 
@@ -324,32 +422,66 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 seen=self._failure.seen,
             )
 
+    def _check_fatal_errors(self) -> None:
+        """Raise a timeout the kernels recorded (no synchronisation). Every call starts with this
+        check and nothing else: a report that is not fatal (a bad routing entry, a peer's failed
+        input) is raised only at a synchronisation point, because raising it here would make this
+        rank skip an operation its peers run, and their kernels would wait for it until the timeout."""
+        if self._runtime.has_fatal_error():
+            self._raise_timeout(self._runtime.error_record())
+
+    def _raise_timeout(self, record: dict[str, Any]) -> None:
+        waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
+        self._failure = CommTimeoutError(
+            f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s "
+            f"in phase '{record['phase']}' waiting for {waited_for} "
+            f"(expected {record['expected']}, saw {record['seen']}); "
+            "the buffer refuses further work until destroy()",
+            rank=record["rank"],
+            peer=record["peer"],
+            operation=record["operation"],
+            phase=record["phase"],
+            expected=record["expected"],
+            seen=record["seen"],
+        )
+        raise self._failure
+
     def _check_device_errors(self) -> None:
-        """Raise what the kernels recorded so far (no synchronisation)."""
+        """Raise everything the kernels recorded so far (no synchronisation): a timeout as
+        CommTimeoutError; otherwise a peer's failed input as PeerInputError and this rank's bad
+        routing entries as ValueError (both cleared once raised; the buffer stays usable)."""
         if not self._runtime.has_error():
             return
         record = self._runtime.error_record()
         if record["status"] > 0:
-            waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
-            self._failure = CommTimeoutError(
-                f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s "
-                f"in phase '{record['phase']}' waiting for {waited_for} "
-                f"(expected {record['expected']}, saw {record['seen']}); "
-                "the buffer refuses further work until destroy()",
-                rank=record["rank"],
-                peer=record["peer"],
-                operation=record["operation"],
-                phase=record["phase"],
-                expected=record["expected"],
-                seen=record["seen"],
-            )
-            raise self._failure
+            self._raise_timeout(record)
+        messages = []
         if record["invalid_status"] > 0:
             self._runtime.clear_invalid_input()
-            raise ValueError(
-                f"topk_idx contains expert id {record['invalid_expert']} outside [-1, {record['num_experts']}) "
-                f"(detected on the device by {record['invalid_operation']}; that entry was treated as -1)"
+            messages.append(_invalid_entry_message(record))
+        if record["peer_failed_status"] > 0:
+            self._runtime.clear_peer_failed()
+            peer = record["peer_failed_rank"]
+            operation = record["peer_failed_operation"]
+            messages.insert(
+                0,
+                f"rank {peer}'s input to {operation} failed its checks (rank {peer} raised the details): it took "
+                f"part without data, so this rank's result of that {operation} lacks rank {peer}'s contribution "
+                "(a combine counted its rows as zero) and must not be used; the buffer stays usable",
             )
+            raise PeerInputError("; ".join(messages), rank=peer, operation=operation)
+        if messages:
+            raise ValueError("; ".join(messages))
+
+    def check_errors(self) -> None:
+        """Wait for this rank's queued work (current and communication streams), then raise what it
+        reported: CommTimeoutError, PeerInputError (a peer's input failed, so this rank's result of
+        that operation is incomplete) or ValueError (a bad expert id in this rank's topk_idx). The
+        synchronisation point for paths that never sync with the host (LL, cached HT, combine)."""
+        self._ensure_usable()
+        torch.cuda.current_stream(self.device).synchronize()
+        self._comm_stream.synchronize()
+        self._check_device_errors()
 
     def _wait_mapped_counter(self, index: int) -> int:
         value = self._runtime.wait_mapped_counter(index)
@@ -373,9 +505,10 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
     # ----------------------------------------------------------------- public
 
     def barrier(self, with_cpu_sync: bool = False) -> None:
-        """Cross-rank barrier on the current stream; with_cpu_sync waits for it and raises what it saw."""
+        """Cross-rank barrier on the current stream; with_cpu_sync waits for it and raises what the
+        kernels reported until then (a synchronisation point, like check_errors())."""
         self._ensure_usable()
-        self._check_device_errors()
+        self._check_fatal_errors()
         stream = torch.cuda.current_stream(self.device)
         self._runtime.launch_barrier(stream.cuda_stream)
         if with_cpu_sync:
@@ -398,17 +531,38 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         return self._runtime.local_base()
 
     def destroy(self) -> None:
-        """Collective teardown: every rank calls it; waits for all ranks to finish using the window first."""
+        """Collective teardown: every rank calls it. A closing barrier through the window (not the
+        torch group: no torch collective can end up paired with another one) makes every rank wait
+        until its peers have finished using its window. After a timeout a peer may be gone, so the
+        barrier is skipped; if the barrier itself times out, the window is freed all the same. Both
+        say so in a warning."""
         if self._destroyed:
             return
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        self._runtime.destroy()
-        self._runtime = None
         self._destroyed = True
-
-    def __del__(self) -> None:
-        if getattr(self, "_runtime", None) is not None and not getattr(self, "explicitly_destroy", True):
-            # Implicit teardown frees this rank's resources without a collective.
-            self._runtime.destroy()
-            self._runtime = None
+        # Without destroy(), dropping the buffer frees the window as soon as the last reference to
+        # the runtime goes (the buffer's, or a zero-copy view's: views hold the runtime, not the
+        # buffer, so no reference cycle leaves it to Python's cyclic GC). No barrier then.
+        runtime, self._runtime = self._runtime, None
+        if runtime is None:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            if self._failure is not None:
+                warnings.warn(
+                    f"destroy(): skipped the closing barrier after {self._failure.operation} timed out waiting for "
+                    f"rank {self._failure.peer} (that rank may be gone); this rank's window is freed",
+                    stacklevel=2,
+                )
+                return
+            stream = torch.cuda.current_stream(self.device)
+            runtime.launch_barrier(stream.cuda_stream)
+            stream.synchronize()
+            record = runtime.error_record()
+            if record["status"] > 0:
+                warnings.warn(
+                    f"destroy(): the closing barrier timed out after {self.num_gpu_timeout_secs:g} s waiting for "
+                    f"rank {record['peer']}; this rank's window is freed anyway (a peer still using it would fault)",
+                    stacklevel=2,
+                )
+        finally:
+            runtime.destroy()

@@ -36,3 +36,16 @@ class BufferTooSmallError(ValueError):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
+
+
+class PeerInputError(ValueError):
+    """Another rank's input to an operation failed its checks: that rank raised the details, took
+    part in the operation without data (so no rank waited for it) and announced it. This rank's result
+    of that operation lacks the rank's contribution and must not be used; the buffer stays usable.
+    Raised at the next synchronisation point (a CPU-synced dispatch, ``barrier(with_cpu_sync=True)``,
+    ``check_errors()``)."""
+
+    def __init__(self, message: str, *, rank: int = -1, operation: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.operation = operation

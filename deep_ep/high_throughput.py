@@ -23,6 +23,7 @@ import torch
 from deep_ep import _C
 from deep_ep.errors import BufferTooSmallError
 from deep_ep.event import EventOverlap
+from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
 from deep_ep.handle import EPHandle
 from deep_ep.plan.estimates import theoretical_num_qps, theoretical_num_sms
 
@@ -221,50 +222,64 @@ class HighThroughputMixin:
         per-expert segments) is written, and the real counts stay on the device in the handle.
 
         Every rank must call with the same hidden size, dtype, K, weights presence and T_max. An
-        expert id outside [-1, E) raises ValueError at the CPU sync (or at the next call without
-        one); that entry is treated as -1 and the buffer stays usable.
+        expert id outside [-1, E), or repeated in a token's row, is treated as -1 and raises
+        ValueError at the next synchronisation point (this call's CPU sync, ``check_errors()``,
+        ``barrier(with_cpu_sync=True)``); the buffer stays usable. Bad arguments raise at once, after
+        this rank took part in the dispatch without data (its peers then see PeerInputError).
         """
         self._ensure_usable()
-        self._check_device_errors()
-        device = self._torch_device
-        data, scales = self._check_dispatch_x(x, device)
-        num_tokens, hidden = data.shape
-        use_fp8 = scales is not None
+        self._check_fatal_errors()
+        try:
+            device = self._torch_device
+            data, scales = self._check_dispatch_x(x, device)
+            num_tokens, hidden = data.shape
+            use_fp8 = scales is not None
 
-        cached = handle is not None
-        if cached:
-            self._check_cached_dispatch(
-                handle,
-                topk_idx,
-                num_tokens,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                do_expand,
-                do_cpu_sync,
+            cached = handle is not None
+            if cached:
+                self._check_cached_dispatch(
+                    handle,
+                    topk_idx,
+                    num_tokens,
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    do_expand,
+                    do_cpu_sync,
+                )
+                num_experts = handle.num_experts
+                num_max_tokens = handle.num_max_tokens_per_rank
+                expert_alignment = handle.expert_alignment
+                do_expand = handle.do_expand
+                do_cpu_sync = False
+                routing = handle.topk_idx
+            else:
+                num_experts = self._check_num_experts(num_experts)
+                self._check_topk_idx(topk_idx, num_tokens, device)
+                num_max_tokens = self._check_num_max_tokens(num_max_tokens_per_rank, num_tokens)
+                if not isinstance(expert_alignment, int) or expert_alignment < 1:
+                    raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+                do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+                routing = topk_idx
+            num_topk = routing.shape[1]
+            self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
+            layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
+            self._check_fits(
+                "dispatch",
+                layout["dispatch_bytes"],
+                T=num_tokens,
+                H=hidden,
+                K=num_topk,
+                T_max=num_max_tokens,
+                fp8=use_fp8,
             )
-            num_experts = handle.num_experts
-            num_max_tokens = handle.num_max_tokens_per_rank
-            expert_alignment = handle.expert_alignment
-            do_expand = handle.do_expand
-            do_cpu_sync = False
-            routing = handle.topk_idx
-        else:
-            num_experts = self._check_num_experts(num_experts)
-            self._check_topk_idx(topk_idx, num_tokens, device)
-            num_max_tokens = self._check_num_max_tokens(num_max_tokens_per_rank, num_tokens)
-            if not isinstance(expert_alignment, int) or expert_alignment < 1:
-                raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
-            routing = topk_idx
-        num_topk = routing.shape[1]
-        self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
-        layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
-        self._check_fits(
-            "dispatch", layout["dispatch_bytes"], T=num_tokens, H=hidden, K=num_topk, T_max=num_max_tokens, fp8=use_fp8
-        )
-        num_sms = self._resolve_num_sms(num_sms, num_experts, num_topk)
-        self._check_previous_event(previous_event, allocate_on_comm_stream)
+            num_sms = self._resolve_num_sms(num_sms, num_experts, num_topk)
+            self._check_previous_event(previous_event, allocate_on_comm_stream)
+        except (ValueError, TypeError) as error:
+            # This rank's input is bad, but its peers already run (or will run) this dispatch: take
+            # part without data so none of them waits for this rank, then raise.
+            self._dispatch_without_input(handle, num_experts, error)
+            raise
 
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
@@ -296,13 +311,15 @@ class HighThroughputMixin:
 
         if not cached:
             if do_cpu_sync:
-                # The dispatch kernel is already moving data; only the output allocation waits.
-                self._wait_mapped_counter(_C.HT_MAPPED_READY)
-                values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
+                # The dispatch kernel is already moving data; only the output allocation waits. This
+                # is a synchronisation point: what the kernels reported so far is raised here.
                 try:
+                    self._wait_mapped_counter(_C.HT_MAPPED_READY)
+                    values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
                     self._check_device_errors()
-                except ValueError:
-                    # The dispatch kernel still runs: order whatever the caller does next after it.
+                except BaseException:
+                    # The kernels may still run and read the handle's arrays and the inputs: order
+                    # whatever the caller does next (freeing them included) after them.
                     launch.compute.wait_stream(launch.comm)
                     raise
                 new_handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
@@ -462,29 +479,40 @@ class HighThroughputMixin:
         Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
         """
         self._ensure_usable()
-        self._check_device_errors()
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
-        self._check_handle_owner(handle)
-        device = self._torch_device
-        num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-        what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
-        self._check_tensor("x", x, device)
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != num_rows:
-            raise ValueError(f"x must be bfloat16 [{num_rows}, H] (one row per received {what}), got {_describe(x)}")
-        hidden = x.shape[1]
-        if hidden == 0 or hidden % 8 != 0:
-            raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={hidden}")
-        weights_shape = (num_rows,) if handle.do_expand else (num_rows, handle.num_topk)
-        self._check_weights("topk_weights", topk_weights, weights_shape, device)
-        biases = self._check_bias(bias, handle.num_tokens, hidden, device)
-        num_max_tokens = handle.num_max_tokens_per_rank
-        layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False)
-        self._check_fits(
-            "combine", layout["combine_bytes"], T=handle.num_tokens, H=hidden, K=handle.num_topk, T_max=num_max_tokens
-        )
-        num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
-        self._check_previous_event(previous_event, allocate_on_comm_stream)
+        self._check_fatal_errors()
+        try:
+            if not isinstance(handle, EPHandle):
+                raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
+            self._check_handle_owner(handle)
+            device = self._torch_device
+            num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+            what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
+            self._check_tensor("x", x, device)
+            if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != num_rows:
+                raise ValueError(
+                    f"x must be bfloat16 [{num_rows}, H] (one row per received {what}), got {_describe(x)}"
+                )
+            hidden = x.shape[1]
+            if hidden == 0 or hidden % 8 != 0:
+                raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={hidden}")
+            weights_shape = (num_rows,) if handle.do_expand else (num_rows, handle.num_topk)
+            self._check_weights("topk_weights", topk_weights, weights_shape, device)
+            biases = self._check_bias(bias, handle.num_tokens, hidden, device)
+            num_max_tokens = handle.num_max_tokens_per_rank
+            layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False)
+            self._check_fits(
+                "combine",
+                layout["combine_bytes"],
+                T=handle.num_tokens,
+                H=hidden,
+                K=handle.num_topk,
+                T_max=num_max_tokens,
+            )
+            num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
+            self._check_previous_event(previous_event, allocate_on_comm_stream)
+        except (ValueError, TypeError) as error:
+            self._combine_without_input(x, handle, error)
+            raise
 
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         combined_x = launch.empty((handle.num_tokens, hidden), torch.bfloat16, device)
@@ -523,6 +551,110 @@ class HighThroughputMixin:
         )
         event = launch.finish(async_with_compute_stream, (x, topk_weights, *biases, *handle.tensors()))
         return combined_x, combined_weights, event
+
+    # ------------------------------------------------------------------ failed input
+
+    def _dispatch_without_input(self, handle: Any, num_experts: Any, error: Exception) -> None:
+        """Take part in this dispatch with no token (deep_ep/failed_input.py). The protocol the peers
+        run follows from ``handle``: cached (the dispatch kernel's entry barrier) or not (the notify
+        count exchange, which needs the group's E: without a valid one this rank cannot take part)."""
+        cached = handle is not None
+        if not cached:
+            try:
+                num_experts = self._check_num_experts(num_experts)
+            except ValueError:
+                add_note(error, "this rank could not take part in the dispatch (no valid num_experts): peers time out")
+                return
+        num_ranks = self.num_ranks
+
+        def launch(stream: int, keep: Any) -> None:
+            if not cached:
+                counts_ints = _counts_layout(num_ranks, num_experts // num_ranks)["total"]
+                scratch = torch.empty(
+                    (counts_ints + _scratch_ints(0, num_experts, num_ranks),),
+                    dtype=torch.int32,
+                    device=self._torch_device,
+                )
+                keep(scratch)
+                _C.ht_notify(
+                    self._runtime,
+                    topk_idx=0,
+                    topk_idx_copy=0,
+                    num_tokens=0,
+                    num_topk=1,
+                    num_experts=num_experts,
+                    expert_alignment=1,
+                    do_expand=False,
+                    expert_slot=0,
+                    dst_slot=0,
+                    scratch=scratch.data_ptr() + 4 * counts_ints,
+                    counts=scratch.data_ptr(),
+                    cpu_sync=False,
+                    num_sms=1,
+                    stream=stream,
+                    input_failed=True,
+                )
+            _C.ht_dispatch(
+                self._runtime,
+                num_max_tokens_per_rank=1,
+                hidden=NULL_HIDDEN,
+                use_fp8=False,
+                num_topk=1,
+                num_experts=num_ranks if cached else num_experts,
+                num_tokens=0,
+                x=0,
+                x_scales=0,
+                topk_idx=0,
+                topk_weights=0,
+                dst_slot=0,
+                expert_slot=0,
+                entry_barrier=cached,
+                num_sms=1,
+                stream=stream,
+                input_failed=cached,
+            )
+
+        take_part_without_input(self, error, launch)
+
+    def _combine_without_input(self, x: Any, handle: Any, error: Exception) -> None:
+        """Take part in this combine without data (deep_ep/failed_input.py). With this buffer's own
+        handle and a known hidden size, every row this rank owes goes out as zeros (its experts count
+        as absent in the peers' results); otherwise no row is sent and the peers' slots for this rank
+        hold stale data (their PeerInputError says the result must not be used)."""
+        valid_handle = isinstance(handle, EPHandle) and handle.owner_id == self._serial
+        hidden = self._combine_hidden_guess(x)
+        zero_rows = valid_handle and hidden > 0
+
+        def launch(stream: int, keep: Any) -> None:
+            if zero_rows:
+                keep(*handle.tensors())
+            _C.ht_combine(
+                self._runtime,
+                num_max_tokens_per_rank=handle.num_max_tokens_per_rank if zero_rows else 1,
+                hidden=hidden if zero_rows else NULL_HIDDEN,
+                num_topk=handle.num_topk if zero_rows else 1,
+                do_expand=handle.do_expand if zero_rows else False,
+                x=0,
+                topk_weights=0,
+                counts=_pointer(handle.counts) if zero_rows else 0,
+                recv_src_metadata=_pointer(handle.recv_src_metadata) if zero_rows else 0,
+                recv_expanded_rows=0,
+                num_meta_rows=handle.recv_src_metadata.shape[0] if zero_rows else 0,
+                num_sms=1,
+                stream=stream,
+                input_failed=True,
+            )
+
+        take_part_without_input(self, error, launch)
+        if not zero_rows:
+            add_note(error, "it sent no combine row: the peers' results hold stale data for its experts")
+
+    def _combine_hidden_guess(self, x: Any) -> int:
+        """The hidden size the peers combine with, as far as this rank can tell (0: unknown)."""
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] > 0 and x.shape[1] % 8 == 0:
+            if getattr(self, "hidden", 0) in (0, x.shape[1]):
+                return int(x.shape[1])
+        return 0
 
     # ------------------------------------------------------------------ validation
 

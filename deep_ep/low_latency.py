@@ -23,6 +23,7 @@ import torch
 
 from deep_ep import _C
 from deep_ep.event import EventOverlap
+from deep_ep.failed_input import take_part_without_input
 from deep_ep.window import window_tensor
 
 __all__ = ["LowLatencyHandle", "LowLatencyMixin"]
@@ -85,21 +86,34 @@ class LowLatencyHandle:
 
 
 class _Hook:
-    """Launches a pending receive phase once; a second call raises."""
+    """Launches a pending receive phase once; a second call raises.
 
-    def __init__(self, buffer: Any, operation: str, receive: Callable[[], None]) -> None:
+    ``keep_alive``: tensors the receive phase reads or writes (input copies made for alignment among
+    them). The hook holds them until it runs; then they are tied to the stream the receive runs on,
+    so the allocator cannot reuse them while it still runs there (the hook may be called on another
+    stream than the one they were allocated on)."""
+
+    def __init__(
+        self, buffer: Any, operation: str, receive: Callable[[], None], keep_alive: tuple[torch.Tensor, ...]
+    ) -> None:
         self._buffer = buffer
         self._operation = operation
         self._receive: Callable[[], None] | None = receive
+        self._keep_alive = keep_alive
 
     def __call__(self) -> None:
         if self._receive is None:
             raise RuntimeError(f"this {self._operation} hook was already called; each hook receives exactly once")
         self._buffer._ensure_usable()
-        self._buffer._check_device_errors()
+        self._buffer._check_fatal_errors()
         receive, self._receive = self._receive, None
         self._buffer._ll_num_pending = self._buffer._ll_num_pending - 1
         receive()
+        if not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream()
+            for tensor in self._keep_alive:
+                tensor.record_stream(stream)
+        self._keep_alive = ()
 
 
 class LowLatencyMixin:
@@ -149,16 +163,23 @@ class LowLatencyMixin:
         callable launching the receive phase with ``return_recv_hook``; otherwise None.
         """
         self._ensure_usable()
-        self._check_device_errors()
-        self._ll_check_settings(num_max_dispatch_tokens_per_rank, num_experts)
-        if round_scale:
-            raise ValueError("round_scale=True (power-of-two fp8 scales) is not implemented; pass round_scale=False")
-        if use_ue8m0:
-            raise ValueError("use_ue8m0=True (packed UE8M0 scales) is not implemented; pass use_ue8m0=False")
-        self._ll_check_modes(async_finish, return_recv_hook)
-        device = self._ll_device()
-        num_tokens, num_topk = self._ll_check_dispatch_inputs(x, topk_idx, device)
+        self._check_fatal_errors()
         self._ll_check_outstanding("low_latency_dispatch")
+        try:
+            self._ll_check_settings(num_max_dispatch_tokens_per_rank, num_experts)
+            if round_scale:
+                raise ValueError(
+                    "round_scale=True (power-of-two fp8 scales) is not implemented; pass round_scale=False"
+                )
+            if use_ue8m0:
+                raise ValueError("use_ue8m0=True (packed UE8M0 scales) is not implemented; pass use_ue8m0=False")
+            self._ll_check_modes(async_finish, return_recv_hook)
+            device = self._ll_device()
+            num_tokens, num_topk = self._ll_check_dispatch_inputs(x, topk_idx, device)
+        except (ValueError, TypeError) as error:
+            # This rank's input is bad, but its peers run this dispatch: take part without data.
+            self._ll_dispatch_without_input(error)
+            raise
 
         num_local = self._ll_layout()["num_local_experts"]
         x, topk_idx = _aligned(x), topk_idx.contiguous()
@@ -236,14 +257,24 @@ class LowLatencyMixin:
         bf16 ``[T, H]`` tensor to write into instead of allocating.
         """
         self._ensure_usable()
-        self._check_device_errors()
-        if zero_copy:
-            raise ValueError("zero_copy=True (expert outputs written in place into the send area) is not implemented")
-        self._ll_check_modes(async_finish, return_recv_hook)
-        device = self._ll_device()
-        self._ll_check_handle(handle)
-        self._ll_check_combine_inputs(x, topk_idx, topk_weights, handle, out, device)
+        self._check_fatal_errors()
         self._ll_check_outstanding("low_latency_combine")
+        handle_usable = False
+        try:
+            self._ll_check_handle(handle)
+            handle_usable = True
+            if zero_copy:
+                raise ValueError(
+                    "zero_copy=True (expert outputs written in place into the send area) is not implemented"
+                )
+            self._ll_check_modes(async_finish, return_recv_hook)
+            device = self._ll_device()
+            self._ll_check_combine_inputs(x, topk_idx, topk_weights, handle, out, device)
+        except (ValueError, TypeError, RuntimeError) as error:
+            # Take part without data: zero rows when the handle is usable (this rank's experts count
+            # as absent in the peers' results), else none.
+            self._ll_combine_without_input(handle if handle_usable else None, error)
+            raise
 
         x, topk_idx, topk_weights = _aligned(x), topk_idx.contiguous(), topk_weights.contiguous()
         if out is None:
@@ -281,6 +312,76 @@ class LowLatencyMixin:
         )
         return out, event, hook
 
+    # ------------------------------------------------------------- failed input
+
+    def _ll_dispatch_without_input(self, error: Exception) -> None:
+        """Send no token (and the failure announcement), then receive: the peers' dispatch completes
+        and this rank's LL state (parity, epochs) stays in step with theirs."""
+        if self.num_max_dispatch_tokens_per_rank <= 0:
+            return  # no LL region: every rank raises the same error without launching
+
+        def launch(stream: int, keep: Any) -> None:
+            num_local = self._ll_layout()["num_local_experts"]
+            counts = torch.empty(num_local * (self.num_ranks + 1), dtype=torch.int32, device=self._torch_device)
+            keep(counts)
+            parity, _ = self._ll_begin()
+            for phase in (_C.low_latency_dispatch_send, _C.low_latency_dispatch_recv):
+                phase(
+                    self._runtime,
+                    self.num_max_dispatch_tokens_per_rank,
+                    self.hidden,
+                    self.num_experts,
+                    self.num_ll_topk,
+                    parity,
+                    0,
+                    0,
+                    0,
+                    1,
+                    True,
+                    counts.data_ptr(),
+                    counts.data_ptr() + 4 * num_local,
+                    self._max_num_sms,
+                    stream,
+                    True,
+                )
+
+        take_part_without_input(self, error, launch)
+
+    def _ll_combine_without_input(self, handle: LowLatencyHandle | None, error: Exception) -> None:
+        """Send zero rows for what ``handle`` received (no row without a usable handle) with the
+        failure announcement, then receive into nothing: the peers' combine completes."""
+        if self.num_max_dispatch_tokens_per_rank <= 0:
+            return
+
+        def launch(stream: int, keep: Any) -> None:
+            counts = 0
+            if handle is not None:
+                keep(handle.count_per_source)
+                counts = handle.count_per_source.data_ptr()
+            parity, _ = self._ll_begin()
+            for phase in (_C.low_latency_combine_send, _C.low_latency_combine_recv):
+                phase(
+                    self._runtime,
+                    self.num_max_dispatch_tokens_per_rank,
+                    self.hidden,
+                    self.num_experts,
+                    self.num_ll_topk,
+                    handle.parity if handle is not None else 0,
+                    parity,
+                    0,
+                    counts,
+                    0,
+                    0,
+                    0,
+                    0,
+                    1,
+                    self._max_num_sms,
+                    stream,
+                    True,
+                )
+
+        take_part_without_input(self, error, launch)
+
     # ---------------------------------------------------------------- launching
 
     def _ll_begin(self) -> tuple[int, int]:
@@ -303,7 +404,7 @@ class LowLatencyMixin:
         if return_recv_hook:
             send(compute)
             self._ll_num_pending = self._ll_num_pending + 1
-            return None, _Hook(self, operation, receive)
+            return None, _Hook(self, operation, receive, keep_alive)
         if not async_finish:
             send(compute)
             receive()
@@ -334,24 +435,31 @@ class LowLatencyMixin:
             layout = self._ll_layout()
             base = self._runtime.local_base()
             device = self._ll_device()
+            # The views keep the runtime (the window's owner) alive, not the buffer: no reference cycle.
+            owner = self._runtime
             num_local, num_slots = layout["num_local_experts"], self.num_ranks * self.num_max_dispatch_tokens_per_rank
             hidden, groups = self.hidden, self.hidden // FP8_GROUP_SIZE
             for area_parity in (0, 1):
                 area = self._window["ll_offset"] + area_parity * layout["parity_bytes"]
                 payload = area + layout["dispatch_payload_offset"]
                 headers = window_tensor(
-                    self, base, area + layout["dispatch_headers_offset"], (num_local, num_slots, 4), torch.int32, device
+                    owner,
+                    base,
+                    area + layout["dispatch_headers_offset"],
+                    (num_local, num_slots, 4),
+                    torch.int32,
+                    device,
                 )
                 cache[area_parity] = {
                     "x_bf16": window_tensor(
-                        self, base, payload, (num_local, num_slots, hidden), torch.bfloat16, device
+                        owner, base, payload, (num_local, num_slots, hidden), torch.bfloat16, device
                     ),
                     # The payload area is sized for bf16; fp8 rows use its first half, row stride H.
                     "x_fp8": window_tensor(
-                        self, base, payload, (num_local, num_slots, hidden), torch.float8_e4m3fn, device
+                        owner, base, payload, (num_local, num_slots, hidden), torch.float8_e4m3fn, device
                     ),
                     "x_scales": window_tensor(
-                        self,
+                        owner,
                         base,
                         area + layout["dispatch_scales_offset"],
                         (num_local, num_slots, groups),

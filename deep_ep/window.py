@@ -1,9 +1,11 @@
 """Zero-copy tensor views of a buffer's symmetric window.
 
 The low-latency receive slots *are* the packed output tensors, so the result of a dispatch is a view
-of the window rather than a copy. The view holds a reference to its owner buffer (through the CUDA
-array interface object torch keeps alive), so implicit teardown never frees the window under a live
-view; an explicit ``destroy()`` frees it regardless, and views must not be used after it.
+of the window rather than a copy. The view holds a reference to the window's owner (the buffer's
+runtime, through the CUDA array interface object torch keeps alive), so implicit teardown never
+frees the window under a live view; an explicit ``destroy()`` frees it regardless, and views must
+not be used after it. The owner is the runtime, not the buffer: the buffer caches its views, and a
+view holding the buffer would make a reference cycle that only Python's cyclic GC breaks.
 """
 
 from __future__ import annotations

@@ -5,10 +5,18 @@
 // its own window reaches e. Epochs only grow, so no cell is ever reset and back-to-back barriers
 // need no cleaning step.
 //
+// A rank whose input failed its host checks still takes part (with no data) and announces it:
+// announce_input_failed() sets its cell in every peer's input_failed cells before the release that
+// lets the peer pass; collect_input_failed() (after the wait) records and clears it. A flag cell,
+// not a bit on the epoch: a fast peer may overwrite its epoch cell with the next barrier's before
+// this rank reads it.
+//
 // grid_sync: generation based. CTAs count arrivals in a workspace counter; the last to arrive
 // resets the counter to 0 (workspace invariant) and bumps the generation the others wait on.
 // Needs every CTA of the grid to be resident at once: launches keep num_sms within the SMs this
-// rank may use (Runtime caps it when ranks share a GPU).
+// rank may use (Runtime caps it when ranks share a GPU). Its deadline is twice the buffer's: the
+// CTAs it waits for are usually in a cross-rank wait (CTA 0 in rank_barrier), whose own deadline
+// must expire first so the error names the missing peer, not "grid synchronisation".
 #pragma once
 
 #include <cstdint>
@@ -20,9 +28,29 @@
 
 namespace deep_ep {
 
+// Called by threads of one CTA before the release that publishes this rank's arrival.
+__device__ __forceinline__ void announce_input_failed(const DeviceView& view) {
+  for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+    if (peer != view.rank) {
+      ptx::st_relaxed_sys(view.peer<int32_t>(peer, WorkspaceLayout::input_failed_offset + int64_t{view.rank} * 4), 1);
+    }
+  }
+}
+
+// After this thread acquired `peer`'s arrival: record and clear the peer's announcement, if any.
+// The cell returns to zero (workspace invariant). A peer that fails again before the clear merges
+// into the same report.
+__device__ __forceinline__ void collect_input_failed(const DeviceView& view, Operation operation, int peer) {
+  int32_t* cell = view.local<int32_t>(WorkspaceLayout::input_failed_offset + int64_t{peer} * 4);
+  if (ptx::ld_relaxed_sys(cell) != 0) {
+    ptx::st_relaxed_sys(cell, 0);
+    record_peer_failed(view, operation, peer);
+  }
+}
+
 // Called by every thread of one CTA. Everything this rank wrote before the call (ordered before it
 // by __syncthreads / grid_sync) is visible to every peer after it. Returns false on timeout.
-__device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation operation) {
+__device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation operation, bool input_failed = false) {
   __shared__ int64_t epoch_shared;
   __shared__ int failed_shared;
   int64_t* epoch_cell = view.local<int64_t>(WorkspaceLayout::barrier_epoch_offset);
@@ -30,6 +58,7 @@ __device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation o
     epoch_shared = *epoch_cell + 1;
     failed_shared = 0;
   }
+  if (input_failed) announce_input_failed(view);
   __syncthreads();
   const int64_t epoch = epoch_shared;
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
@@ -43,7 +72,11 @@ __device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation o
       seen = ptx::ld_acquire_sys(cell);
       return seen >= epoch;
     });
-    if (!arrived) atomicExch(&failed_shared, 1);
+    if (!arrived) {
+      atomicExch(&failed_shared, 1);
+    } else {
+      collect_input_failed(view, operation, peer);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) *epoch_cell = epoch;
@@ -70,10 +103,13 @@ __device__ __forceinline__ bool grid_sync(const DeviceView& view, Operation oper
       __threadfence();
       atomicAdd(generation, 1);
     } else {
-      ok = wait_until(view, operation, Phase::kGridSync, -1, current + 1, [&](int64_t& seen) {
-        seen = ptx::ld_acquire_gpu(generation);
-        return seen != current;
-      });
+      ok = wait_until(
+          view, operation, Phase::kGridSync, -1, current + 1,
+          [&](int64_t& seen) {
+            seen = ptx::ld_acquire_gpu(generation);
+            return seen != current;
+          },
+          2 * view.timeout_ns);
     }
     ok_shared = ok ? 1 : 0;
   }

@@ -88,7 +88,7 @@ inline HighThroughputLayout direct_layout(int num_ranks, int64_t num_max_tokens_
 struct NotifyArgs {
   DeviceView view;
   const int64_t* topk_idx = nullptr;  // [T, K]
-  int64_t* topk_idx_copy = nullptr;   // out [T, K]: the handle's own copy of the routing (raw ids)
+  int64_t* topk_idx_copy = nullptr;   // out [T, K]: the handle's copy of the routing, bad/repeated ids -1
   int num_tokens = 0;
   int num_topk = 0;
   int num_experts = 0;
@@ -100,6 +100,7 @@ struct NotifyArgs {
   int32_t* counts = nullptr;           // out: counts_layout(R, L)
   int32_t* mapped_counters = nullptr;  // device pointer of the host-mapped counters; nullptr: no CPU sync
   int num_sms = 1;
+  bool input_failed = false;  // this rank takes part with T = 0 and tells its peers its input failed
 };
 
 struct DispatchArgs {
@@ -119,6 +120,7 @@ struct DispatchArgs {
   const int32_t* expert_slot = nullptr;  // from notify
   bool entry_barrier = false;            // cached dispatch: no notify ran before, so barrier here
   int num_sms = 1;
+  bool input_failed = false;  // with entry_barrier: this rank sends nothing and tells its peers why
 };
 
 struct EpilogueArgs {
@@ -151,13 +153,14 @@ struct CombineArgs {
   int hidden = 0;
   int num_topk = 0;
   bool do_expand = false;
-  const void* x = nullptr;                      // bf16 [N or N', H]
+  const void* x = nullptr;                      // bf16 [N or N', H]; nullptr: send zero rows
   const float* topk_weights = nullptr;          // [N, K] or expand [N']; nullptr: no weights
-  const int32_t* counts = nullptr;              // the handle's counts_layout(R, L)
+  const int32_t* counts = nullptr;              // the handle's counts_layout(R, L); nullptr: no row
   const int32_t* recv_src_metadata = nullptr;   // [N, 3]
   const int32_t* recv_expanded_rows = nullptr;  // expand [N, K]
   int64_t num_meta_rows = 0;                    // N the host allocated the two arrays above for
   int num_sms = 1;
+  bool input_failed = false;  // this rank's input failed: it sends zero rows (or none) and tells its peers
 };
 
 struct ReduceArgs {

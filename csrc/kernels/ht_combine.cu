@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
   const DeviceView& view = args.view;
   // The home ranks' combine areas overlap their dispatch receive areas: wait until every rank has
   // finished its dispatch epilogue.
-  if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtCombine)) return;
+  if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtCombine, args.input_failed)) return;
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
 
   const int lane = lane_id();
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
   const TokenLayout token = combine_token_layout(args.hidden, num_topk);
   const int64_t num_vectors = int64_t{args.hidden} / kBf16PerVector;
   const CountsLayout counts = counts_layout(num_ranks, 1);  // psum_per_source does not depend on L
-  const int64_t num_rows = args.counts[counts.psum_per_source + num_ranks - 1];
+  const int64_t num_rows = args.counts == nullptr ? 0 : args.counts[counts.psum_per_source + num_ranks - 1];
   const auto* x = static_cast<const int4*>(args.x);
 
   const int64_t first_warp = int64_t{blockIdx.x} * kCombineWarps + threadIdx.x / 32;
@@ -93,7 +93,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
     uint8_t* dst = view.peer<uint8_t>(
         source, args.ht_offset + (combine_row * args.num_max_tokens_per_rank + source_token) * token.bytes);
     float weight = 0.0f;
-    if (!args.do_expand) {
+    if (x == nullptr) {
+      // This rank's input failed: its contribution to the token is zero, not stale window data.
+      for (int64_t index = lane; index < num_vectors; index += 32) {
+        reinterpret_cast<int4*>(dst)[index] = make_int4(0, 0, 0, 0);
+      }
+    } else if (!args.do_expand) {
       warp_copy_to_lanes<kCopyUnroll>(x + row * num_vectors, num_vectors, 1u, reinterpret_cast<int4*>(dst));
       if (lane < num_topk && args.topk_weights != nullptr) weight = __ldg(args.topk_weights + row * num_topk + lane);
     } else {
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
       send_expanded_sum(x, num_vectors, ordered_row, num_terms, reinterpret_cast<int4*>(dst));
       if (expanded_row >= 0 && args.topk_weights != nullptr) weight = __ldg(args.topk_weights + expanded_row);
     }
-    if (lane < num_topk && args.topk_weights != nullptr) {
+    if (lane < num_topk && (args.topk_weights != nullptr || x == nullptr)) {
       reinterpret_cast<float*>(dst + token.weights_offset)[lane] = weight;
     }
   }
@@ -122,8 +127,9 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   // their pointers may be null; the kernel reads no row then.
   require(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));
   require(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr, "combine needs the handle's source metadata");
-  require(args.num_meta_rows == 0 || !args.do_expand || args.recv_expanded_rows != nullptr,
+  require(args.num_meta_rows == 0 || args.x == nullptr || !args.do_expand || args.recv_expanded_rows != nullptr,
           "expand combine needs the expanded row map");
+  require(args.x != nullptr || args.input_failed, "combine needs x (only a failed input sends zero rows)");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");
 }

@@ -36,13 +36,6 @@ __device__ __forceinline__ int warp_inclusive_sum(int value) {
   return value;
 }
 
-// An out-of-range id reads as -1: the notify kernel (or the host) already reported it, and every
-// later kernel must agree with notify on which entries exist.
-__device__ __forceinline__ int sanitized_expert(const int64_t* topk_idx, int64_t index, int num_experts) {
-  const int64_t expert = topk_idx[index];
-  return (expert >= 0 && expert < num_experts) ? static_cast<int>(expert) : -1;
-}
-
 // Lane k holds the rank of its top-k entry (-1: none). True on the lowest lane of each rank: the
 // entry that owns the token's single copy to (or from) that rank.
 __device__ __forceinline__ bool is_first_lane_of_rank(int rank) {

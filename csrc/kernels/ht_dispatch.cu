@@ -11,6 +11,7 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/routing.cuh"
 #include "runtime/cuda_check.hpp"
 #include "runtime/require.hpp"
 
@@ -25,7 +26,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
   const DeviceView& view = args.view;
   if (args.entry_barrier) {
     // Cached dispatch: no notify kernel passed the entry barrier for us.
-    if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtDispatch)) return;
+    if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtDispatch, args.input_failed)) return;
     if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
   }
 
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
     int expert = -1;
     int slot = -1;
     if (lane < num_topk) {
-      expert = sanitized_expert(args.topk_idx, entry, num_experts);
+      expert = routed_expert(args.topk_idx, num_topk, t, lane, num_experts);
       slot = args.dst_slot[entry];
     }
     const bool sends = slot >= 0 && expert >= 0;

@@ -68,7 +68,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
     if (has_token) {
       for (int k = 0; k < num_topk; ++k) {
         const int64_t entry = int64_t{token} * num_topk + k;
-        const int expert = sanitized_expert(args.topk_idx, entry, num_experts);
+        const int expert = routed_expert(args.topk_idx, num_topk, token, k, num_experts);
         args.expert_slot[entry] = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
         args.dst_slot[entry] =
             ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[expert / num_local] & lower_lanes) : -1;
@@ -102,10 +102,12 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   const int num_local = num_experts / args.view.num_ranks;
   const int64_t num_entries = int64_t{args.num_tokens} * args.num_topk;
   for (int64_t entry = first_thread; entry < num_entries; entry += num_threads) {
-    // The handle keeps its own routing (the caller may reuse topk_idx); copied here, not by a
-    // separate copy launch on the host path.
-    args.topk_idx_copy[entry] = args.topk_idx[entry];
-    const int expert = sanitized_expert(args.topk_idx, entry, num_experts);
+    // The handle keeps its own routing (the caller may reuse topk_idx), copied here rather than by
+    // a separate launch on the host path, and sanitised: every later kernel (dispatch, cached
+    // dispatch, combine) reads this copy, so all agree that a bad or repeated entry is -1.
+    const int expert = routed_expert(args.topk_idx, args.num_topk, entry / args.num_topk,
+                                     static_cast<int>(entry % args.num_topk), num_experts);
+    args.topk_idx_copy[entry] = expert;
     if (expert < 0) continue;
     const int64_t block = entry / args.num_topk / kNotifyTokensPerBlock;
     const int32_t* bases = args.scratch + block * num_columns;
@@ -125,7 +127,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   // No peer may still read its receive area or its count cells from the previous operation.
-  if (!rank_barrier(view, Operation::kHtNotify)) return false;
+  if (!rank_barrier(view, Operation::kHtNotify, args.input_failed)) return false;
 
   // Expert counts first; the rank count, released after them, announces that all of them landed.
   for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {

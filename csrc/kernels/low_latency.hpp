@@ -17,6 +17,8 @@
 //     waits until every peer said the same before writing into that peer's area. A peer's area is
 //     free once its next operation on the parity has started: everything it received before
 //     (including zero-copy recv_x views) has been consumed by then.
+//   * a rank whose input failed its host checks sends with no data and `input_failed`: it sets its
+//     input-failed cell in every peer before the ready release; the peers record it (not fatal).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,6 +30,7 @@
 #include "runtime/geometry.hpp"
 
 #if defined(__CUDACC__)
+#include "kernels/barrier.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/timeout.cuh"
 #endif
@@ -56,6 +59,7 @@ struct LowLatencyDispatchArgs {
   int32_t* recv_count = nullptr;        // out: [L] tokens received per local expert
   int32_t* count_per_source = nullptr;  // out: [L, R] tokens received per (local expert, source)
   int num_sms = 1;                      // CTAs per kernel (<= the rank's SM cap)
+  bool input_failed = false;            // this rank sends nothing and tells its peers why
 };
 
 struct LowLatencyCombineArgs {
@@ -74,6 +78,7 @@ struct LowLatencyCombineArgs {
   const float* topk_weights = nullptr;        // [T, K]
   void* out = nullptr;                        // bf16 [T, hidden], contiguous
   int num_sms = 1;
+  bool input_failed = false;  // this rank sends no row (count_per_source may be null) and tells its peers
 };
 
 // Throw std::invalid_argument for shapes the kernels cannot take, std::runtime_error for a failed
@@ -114,10 +119,15 @@ __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowL
 // CTA 0 announces that this rank's area is free for `epoch`; each CTA then waits until every peer
 // announced the same. Returns false on timeout (the CTA must leave without writing).
 __device__ __forceinline__ bool exchange_ready(const DeviceView& view, const LowLatencyLayout& layout,
-                                               int64_t area_offset, int32_t epoch, Operation operation) {
+                                               int64_t area_offset, int32_t epoch, Operation operation,
+                                               bool input_failed) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   if (blockIdx.x == 0) {
+    if (input_failed) {
+      announce_input_failed(view);
+      __syncthreads();  // the announcements precede every thread's release below
+    }
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
       // the peer's writes into it.
@@ -132,7 +142,11 @@ __device__ __forceinline__ bool exchange_ready(const DeviceView& view, const Low
       seen = ptx::ld_acquire_sys(cell);
       return seen >= epoch;
     });
-    if (!ok) atomicExch(&failed, 1);
+    if (!ok) {
+      atomicExch(&failed, 1);
+    } else if (blockIdx.x == 0) {
+      collect_input_failed(view, operation, peer);
+    }
   }
   __syncthreads();
   return failed == 0;

@@ -42,7 +42,9 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int lane = static_cast<int>(threadIdx.x % 32);
 
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlCombine)) return;
+  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed)) {
+    return;
+  }
 
   const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
   const auto* rows = static_cast<const int4*>(args.x);
@@ -54,9 +56,11 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
     const auto unit_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
     if (threadIdx.x < kUnitsPerRound) {
       const int unit = unit_of(threadIdx.x);
-      // Clamped so that a corrupted count can never address past the slots.
-      unit_counts[threadIdx.x] =
-          unit < num_units ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens)) : 0;
+      // Clamped so that a corrupted count can never address past the slots. Without the handle's
+      // counts (a failed input with no usable handle) this rank sends no row.
+      unit_counts[threadIdx.x] = unit < num_units && args.count_per_source != nullptr
+                                     ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+                                     : 0;
     }
     __syncthreads();
 
@@ -74,7 +78,12 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         const int slot = header.y;
         if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
         int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
-        low_latency::warp_copy_row<kCopyUnroll>(dst, rows + row * num_vectors, num_vectors, lane);
+        if (rows == nullptr) {
+          // This rank's input failed: its expert outputs count as zero, not as stale slot data.
+          for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
+        } else {
+          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + row * num_vectors, num_vectors, lane);
+        }
       }
       rows_before += count;
     }

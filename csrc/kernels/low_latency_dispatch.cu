@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   const int num_local = layout.num_local_experts;
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  // [T * K] expert ids (validated: an out-of-range id is recorded and becomes -1), then one list
+  // [T * K] expert ids (validated: an out-of-range or repeated id is recorded and becomes -1), then one list
   // of (token << kSlotBits | slot) per expert of the round.
   auto* expert_ids = reinterpret_cast<int16_t*>(shared);
   auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
@@ -99,7 +99,9 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
                                                         i / num_topk, i % num_topk, args.num_experts));
   }
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
-  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlDispatch)) return;
+  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed)) {
+    return;
+  }
 
   // Round r of CTA c takes experts r * gridDim * batch + j * gridDim + c (j < batch): strided so
   // that every CTA gets work even when E is not much larger than the grid.

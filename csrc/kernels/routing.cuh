@@ -29,16 +29,36 @@ __device__ __forceinline__ int warp_enumerate_in_token_order(int num_tokens, Mat
   return num_matches;
 }
 
-// Reads topk_idx[token][k] (int64 from PyTorch). An id outside [-1, num_experts) is recorded for
-// the host (reported as ValueError) and treated as -1, so the protocol still completes.
+// The expert of entry k of a token's top-k row as every kernel uses it: the id, or -1 when it is
+// -1, outside [-1, num_experts), or a repeat of an id at an earlier slot of the same row (the first
+// occurrence counts; DeepEP's kernels would send the token twice and add the row twice).
+__device__ __forceinline__ int routed_expert(const int64_t* topk_idx, int num_topk, int64_t token, int k,
+                                             int num_experts, bool* is_duplicate = nullptr) {
+  const int64_t* row = topk_idx + token * num_topk;
+  const int64_t expert = row[k];
+  if (expert < 0 || expert >= num_experts) return -1;
+  for (int earlier = 0; earlier < k; ++earlier) {
+    if (row[earlier] == expert) {
+      if (is_duplicate != nullptr) *is_duplicate = true;
+      return -1;
+    }
+  }
+  return static_cast<int>(expert);
+}
+
+// routed_expert(), recording a bad entry for the host (reported as ValueError; the protocol still
+// completes with the entry treated as -1). Kernels that read a row first call this one.
 __device__ __forceinline__ int read_expert_id(const DeviceView& view, Operation operation, const int64_t* topk_idx,
                                               int num_topk, int token, int k, int num_experts) {
   const int64_t expert = topk_idx[static_cast<int64_t>(token) * num_topk + k];
   if (expert < -1 || expert >= num_experts) {
-    record_invalid_expert(view, operation, expert, num_experts);
+    record_invalid_expert(view, operation, InvalidExpertKind::kOutOfRange, expert, num_experts, token);
     return -1;
   }
-  return static_cast<int>(expert);
+  bool is_duplicate = false;
+  const int routed = routed_expert(topk_idx, num_topk, token, k, num_experts, &is_duplicate);
+  if (is_duplicate) record_invalid_expert(view, operation, InvalidExpertKind::kDuplicate, expert, num_experts, token);
+  return routed;
 }
 
 }  // namespace deep_ep

@@ -27,17 +27,33 @@ __device__ __forceinline__ void record_error(const DeviceView& view, ErrorStatus
   }
 }
 
-// An out-of-range expert id: recorded for the host, then treated as -1 by the caller so the
-// protocol still completes.
-__device__ __forceinline__ void record_invalid_expert(const DeviceView& view, Operation operation, int64_t expert,
-                                                      int64_t num_experts) {
+// An out-of-range or repeated expert id: recorded for the host, then treated as -1 by the caller
+// so the protocol still completes.
+__device__ __forceinline__ void record_invalid_expert(const DeviceView& view, Operation operation,
+                                                      InvalidExpertKind kind, int64_t expert, int64_t num_experts,
+                                                      int32_t token) {
   ErrorRecord* record = view.error;
   if (atomicCAS(&record->invalid_status, 0, -1) == 0) {
     record->invalid_operation = static_cast<int32_t>(operation);
     record->invalid_expert = expert;
     record->num_experts = num_experts;
+    record->invalid_kind = static_cast<int32_t>(kind);
+    record->invalid_token = token;
     __threadfence_system();
     ptx::st_release_sys(&record->invalid_status, 1);
+  }
+}
+
+// A peer announced (through its barrier epoch or ready cell) that its input failed the host checks
+// and it took part without data. Our own announcement is not recorded: our host raised already.
+__device__ __forceinline__ void record_peer_failed(const DeviceView& view, Operation operation, int32_t peer) {
+  if (peer == view.rank) return;
+  ErrorRecord* record = view.error;
+  if (atomicCAS(&record->peer_failed_status, 0, -1) == 0) {
+    record->peer_failed_operation = static_cast<int32_t>(operation);
+    record->peer_failed_rank = peer;
+    __threadfence_system();
+    ptx::st_release_sys(&record->peer_failed_status, 1);
   }
 }
 
@@ -47,9 +63,11 @@ __device__ __forceinline__ bool error_recorded(const DeviceView& view) {
 
 // Spins until `probe(seen)` returns true. `probe` loads the watched value (with acquire semantics)
 // into `seen` and says whether the wait is over. Returns false on timeout or on an earlier error.
+// `timeout_ns` defaults to the buffer's deadline; waits on this rank's own CTAs pass a longer one.
 template <typename Probe>
 __device__ __forceinline__ bool wait_until(const DeviceView& view, Operation operation, Phase phase, int32_t peer,
-                                           int64_t expected, Probe&& probe) {
+                                           int64_t expected, Probe&& probe, uint64_t timeout_ns = 0) {
+  if (timeout_ns == 0) timeout_ns = view.timeout_ns;
   int64_t seen = 0;
   if (probe(seen)) return true;
   const uint64_t start = ptx::global_timer_ns();
@@ -58,7 +76,7 @@ __device__ __forceinline__ bool wait_until(const DeviceView& view, Operation ope
     // Reading the host-mapped record crosses PCIe: look at it and at the clock only now and then.
     if ((spin & 255) == 0) {
       if (error_recorded(view)) return false;
-      if (ptx::global_timer_ns() - start > view.timeout_ns) {
+      if (ptx::global_timer_ns() - start > timeout_ns) {
         record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen);
         return false;
       }

@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -9,8 +10,17 @@
 
 namespace deep_ep {
 
+void throw_if_window_allocation_fails_by_request(int64_t bytes) {
+  const char* value = std::getenv("EP_TEST_FAIL_WINDOW_ALLOC");
+  if (value != nullptr && std::string(value) == "1") {
+    throw std::runtime_error("window allocation of " + std::to_string(bytes) +
+                             " bytes failed: out of memory (injected by EP_TEST_FAIL_WINDOW_ALLOC=1)");
+  }
+}
+
 CudaIpcMemory::CudaIpcMemory(int rank, int num_ranks, int64_t bytes)
     : rank_(rank), num_ranks_(num_ranks), bytes_(bytes) {
+  throw_if_window_allocation_fails_by_request(bytes);
   EP_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(bytes)));
   // A zeroed window is a valid one: every counter means "nothing arrived", every epoch is 0.
   EP_CUDA_CHECK(cudaMemset(base_, 0, static_cast<size_t>(bytes)));

@@ -74,9 +74,18 @@ void NcclWindowMemory::connect(const std::string& unique_id) {
                              std::to_string(lsa.nRanks) + " of " + std::to_string(num_ranks_) +
                              " ranks (scale-out through GIN is not implemented)");
   }
+}
+
+void NcclWindowMemory::allocate() {
+  if (state_->comm == nullptr) throw std::logic_error("allocate() needs connect() first");
+  throw_if_window_allocation_fails_by_request(bytes_);
   EP_NCCL_CHECK(ncclMemAlloc(&state_->buffer, static_cast<size_t>(bytes_)));
   EP_CUDA_CHECK(cudaMemset(state_->buffer, 0, static_cast<size_t>(bytes_)));
   EP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void NcclWindowMemory::register_window() {
+  if (state_->buffer == nullptr) throw std::logic_error("register_window() needs allocate() first");
   EP_NCCL_CHECK(ncclCommWindowRegister(state_->comm, state_->buffer, static_cast<size_t>(bytes_), &state_->window,
                                        NCCL_WIN_DEFAULT));
   if (state_->window == nullptr) throw std::runtime_error("ncclCommWindowRegister returned no window");

@@ -11,6 +11,10 @@ namespace deep_ep {
 
 enum class BackendKind { kIpc = 0, kNccl = 1 };
 
+// Test hook: with EP_TEST_FAIL_WINDOW_ALLOC=1 in this process's environment, the window allocation
+// throws as an out-of-memory would (how the tests make one rank's allocation fail).
+void throw_if_window_allocation_fails_by_request(int64_t bytes);
+
 class SymmetricMemory {
  public:
   virtual ~SymmetricMemory() = default;
@@ -50,7 +54,11 @@ class NcclWindowMemory final : public SymmetricMemory {
   NcclWindowMemory(int rank, int num_ranks, int64_t bytes);
   ~NcclWindowMemory() override;
   static std::string create_unique_id();
+  // Bootstrap steps (see Runtime): communicator (collective), window memory (local), registration
+  // and peer pointers (collective).
   void connect(const std::string& unique_id);
+  void allocate();
+  void register_window();
   uint8_t* local_base() const override { return peer_bases_.empty() ? nullptr : peer_bases_[rank_]; }
   const std::vector<uint8_t*>& peer_bases() const override { return peer_bases_; }
   int64_t bytes() const override { return bytes_; }

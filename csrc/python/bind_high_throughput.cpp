@@ -1,6 +1,7 @@
 // HT dispatch/combine launchers for Python: tensors cross as data_ptr() integers (0 = none),
 // streams as cuda_stream integers. Shapes are validated in deep_ep/high_throughput.py; the checks
-// here only guard the window.
+// here only guard the window. `input_failed`: this rank's input failed its host checks and it takes
+// part without data; its peers record that (deep_ep.PeerInputError).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -69,7 +70,8 @@ void register_high_throughput(py::module_& m) {
       "ht_notify",
       [](Runtime& runtime, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy, int num_tokens, int num_topk,
          int num_experts, int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot,
-         std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync, int num_sms, std::uintptr_t stream) {
+         std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync, int num_sms, std::uintptr_t stream,
+         bool input_failed) {
         ht::NotifyArgs args;
         args.view = runtime.device_view();
         args.topk_idx = pointer<const int64_t>(topk_idx);
@@ -85,19 +87,20 @@ void register_high_throughput(py::module_& m) {
         args.counts = pointer<int32_t>(counts);
         args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
         args.num_sms = num_sms;
+        args.input_failed = input_failed;
         ht::launch_notify(args, as_stream(stream));
       },
       py::arg("runtime"), py::arg("topk_idx"), py::arg("topk_idx_copy"), py::arg("num_tokens"), py::arg("num_topk"),
       py::arg("num_experts"), py::arg("expert_alignment"), py::arg("do_expand"), py::arg("expert_slot"),
       py::arg("dst_slot"), py::arg("scratch"), py::arg("counts"), py::arg("cpu_sync"), py::arg("num_sms"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("input_failed") = false);
 
   m.def(
       "ht_dispatch",
       [](Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, bool use_fp8, int num_topk, int num_experts,
          int num_tokens, std::uintptr_t x, std::uintptr_t x_scales, std::uintptr_t topk_idx,
          std::uintptr_t topk_weights, std::uintptr_t dst_slot, std::uintptr_t expert_slot, bool entry_barrier,
-         int num_sms, std::uintptr_t stream) {
+         int num_sms, std::uintptr_t stream, bool input_failed) {
         ht::DispatchArgs args;
         args.view = runtime.device_view();
         check_fits(runtime, HtOperation::kDispatch, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
@@ -116,12 +119,13 @@ void register_high_throughput(py::module_& m) {
         args.expert_slot = pointer<const int32_t>(expert_slot);
         args.entry_barrier = entry_barrier;
         args.num_sms = num_sms;
+        args.input_failed = input_failed;
         ht::launch_dispatch(args, as_stream(stream));
       },
       py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("use_fp8"),
       py::arg("num_topk"), py::arg("num_experts"), py::arg("num_tokens"), py::arg("x"), py::arg("x_scales"),
       py::arg("topk_idx"), py::arg("topk_weights"), py::arg("dst_slot"), py::arg("expert_slot"),
-      py::arg("entry_barrier"), py::arg("num_sms"), py::arg("stream"));
+      py::arg("entry_barrier"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false);
 
   m.def(
       "ht_dispatch_epilogue",
@@ -164,7 +168,8 @@ void register_high_throughput(py::module_& m) {
       "ht_combine",
       [](Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk, bool do_expand, std::uintptr_t x,
          std::uintptr_t topk_weights, std::uintptr_t counts, std::uintptr_t recv_src_metadata,
-         std::uintptr_t recv_expanded_rows, int64_t num_meta_rows, int num_sms, std::uintptr_t stream) {
+         std::uintptr_t recv_expanded_rows, int64_t num_meta_rows, int num_sms, std::uintptr_t stream,
+         bool input_failed) {
         ht::CombineArgs args;
         args.view = runtime.device_view();
         check_fits(runtime, HtOperation::kCombine, num_max_tokens_per_rank, hidden, num_topk, false);
@@ -180,11 +185,13 @@ void register_high_throughput(py::module_& m) {
         args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
         args.num_meta_rows = num_meta_rows;
         args.num_sms = num_sms;
+        args.input_failed = input_failed;
         ht::launch_combine(args, as_stream(stream));
       },
       py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_topk"),
       py::arg("do_expand"), py::arg("x"), py::arg("topk_weights"), py::arg("counts"), py::arg("recv_src_metadata"),
-      py::arg("recv_expanded_rows"), py::arg("num_meta_rows"), py::arg("num_sms"), py::arg("stream"));
+      py::arg("recv_expanded_rows"), py::arg("num_meta_rows"), py::arg("num_sms"), py::arg("stream"),
+      py::arg("input_failed") = false);
 
   m.def(
       "ht_combine_reduce",

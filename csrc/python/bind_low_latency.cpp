@@ -2,6 +2,8 @@
 // cuda_stream integers. Shapes are validated in deep_ep/low_latency.py; here the LL layout is
 // rebuilt from the buffer's settings through sizing.hpp (never from offsets passed in), checked
 // against the window that was really allocated, and turned into the parity area of the call.
+// `input_failed`: this rank's input failed its host checks; it takes part without data (T = 0 for a
+// dispatch; zero rows, or none without a handle, for a combine) and its peers record why.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -94,22 +96,25 @@ void register_low_latency(py::module_& m) {
   const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int parity,
                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                    std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream) {
+                    std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
+                    bool input_failed) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      launch(dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk, use_fp8, recv_count,
-                           count_per_source, num_sms),
-             as_stream(stream));
+      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk,
+                                                  use_fp8, recv_count, count_per_source, num_sms);
+      args.input_failed = input_failed;
+      launch(args, as_stream(stream));
     };
   };
   const auto combine = [](void (*launch)(const LowLatencyCombineArgs&, cudaStream_t)) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk,
                     int dispatch_parity, int parity, std::uintptr_t x, std::uintptr_t count_per_source,
                     std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
-                    int num_topk, int num_sms, std::uintptr_t stream) {
+                    int num_topk, int num_sms, std::uintptr_t stream, bool input_failed) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      launch(combine_args(runtime, settings, dispatch_parity, parity, x, count_per_source, topk_idx, topk_weights, out,
-                          num_tokens, num_topk, num_sms),
-             as_stream(stream));
+      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_parity, parity, x, count_per_source,
+                                                topk_idx, topk_weights, out, num_tokens, num_topk, num_sms);
+      args.input_failed = input_failed;
+      launch(args, as_stream(stream));
     };
   };
 
@@ -120,7 +125,7 @@ void register_low_latency(py::module_& m) {
     m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("parity"), py::arg("x"), py::arg("topk_idx"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
-          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"));
+          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false);
   }
   // Send phase (x, count_per_source read) and receive phase (out written from topk_idx/weights)
   // of one LL combine.
@@ -129,7 +134,8 @@ void register_low_latency(py::module_& m) {
     m.def(name, combine(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_parity"), py::arg("parity"), py::arg("x"),
           py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
-          py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"));
+          py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"),
+          py::arg("input_failed") = false);
   }
 }
 

@@ -49,6 +49,8 @@ void register_runtime(py::module_& m) {
            })
       .def_static("create_nccl_unique_id", []() { return py::bytes(Runtime::create_nccl_unique_id()); })
       .def("connect_nccl", [](Runtime& self, const py::bytes& unique_id) { self.connect_nccl(std::string(unique_id)); })
+      .def("allocate_nccl_window", &Runtime::allocate_nccl_window)
+      .def("register_nccl_window", &Runtime::register_nccl_window)
       .def("connected", &Runtime::connected)
       .def("local_base", [](const Runtime& self) { return reinterpret_cast<std::uintptr_t>(self.local_base()); })
       .def("peer_base",
@@ -77,15 +79,24 @@ void register_runtime(py::module_& m) {
              d["invalid_operation"] = std::string(operation_name(record.invalid_operation));
              d["invalid_expert"] = record.invalid_expert;
              d["num_experts"] = record.num_experts;
+             d["invalid_kind"] = record.invalid_kind == static_cast<int32_t>(InvalidExpertKind::kDuplicate)
+                                     ? std::string("duplicate")
+                                     : std::string("out_of_range");
+             d["invalid_token"] = record.invalid_token;
+             d["peer_failed_status"] = record.peer_failed_status;
+             d["peer_failed_operation"] = std::string(operation_name(record.peer_failed_operation));
+             d["peer_failed_rank"] = record.peer_failed_rank;
              return d;
            })
       // Cheap check for the per-call fast path; error_record() builds the full report.
       .def("has_error",
            [](const Runtime& self) {
              const ErrorRecord record = self.error_record();
-             return record.status != 0 || record.invalid_status != 0;
+             return record.status != 0 || record.invalid_status != 0 || record.peer_failed_status != 0;
            })
+      .def("has_fatal_error", [](const Runtime& self) { return self.error_record().status != 0; })
       .def("clear_invalid_input", &Runtime::clear_invalid_input)
+      .def("clear_peer_failed", &Runtime::clear_peer_failed)
       .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))
       .def("read_mapped_counters", &Runtime::read_mapped_counters, py::arg("begin"), py::arg("count"))
       .def("wait_mapped_counter", &Runtime::wait_mapped_counter, py::arg("index"),

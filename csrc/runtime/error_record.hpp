@@ -2,9 +2,11 @@
 // invalid. The host reads it at its next check and raises CommTimeoutError / ValueError; the kernel
 // itself never traps, so the CUDA context stays usable.
 //
-// Two independent parts: a timeout is fatal (peers are out of step; the buffer refuses further
-// work until destroy()), an invalid input is not (the kernel treated the bad expert id as -1,
-// finished the protocol, and the buffer stays usable once the host has reported it).
+// Three independent parts: a timeout is fatal (peers are out of step; the buffer refuses further
+// work until destroy()); an invalid routing entry is not (the kernel treated the bad expert id as
+// -1, finished the protocol, and the buffer stays usable once the host has reported it); nor is a
+// peer's failed input (the peer took part in the operation without data and told us so through
+// its barrier or ready cell; our result of that operation lacks its contribution).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,12 @@ enum class Phase : int32_t {
   kGridSync = 4,       // waiting for the other CTAs of this rank's kernel
 };
 
+// What was wrong with a routing entry.
+enum class InvalidExpertKind : int32_t {
+  kOutOfRange = 0,  // id outside [-1, num_experts)
+  kDuplicate = 1,   // id already selected at an earlier top-k slot of the same token
+};
+
 // Each part is written once (the first writer wins through its status word), read by the host.
 struct ErrorRecord {
   // Timeout (fatal).
@@ -43,11 +51,18 @@ struct ErrorRecord {
   int32_t reserved;
   int64_t expected;  // value waited for
   int64_t seen;      // last value seen
-  // Invalid input (not fatal): an expert id outside [0, num_experts).
+  // Invalid routing entry (not fatal): an expert id outside [-1, num_experts), or a repeat.
   int32_t invalid_status;     // 1 once recorded; -1 while being written; the host clears it
   int32_t invalid_operation;  // Operation
   int64_t invalid_expert;     // the offending id
   int64_t num_experts;        // the bound it broke
+  int32_t invalid_kind;       // InvalidExpertKind
+  int32_t invalid_token;      // token index (row of topk_idx) of the entry
+  // A peer's input failed its host checks (not fatal): it took part without data.
+  int32_t peer_failed_status;     // 1 once recorded; -1 while being written; the host clears it
+  int32_t peer_failed_operation;  // Operation
+  int32_t peer_failed_rank;       // the first such peer seen
+  int32_t reserved2;
 };
 
 const char* operation_name(int32_t operation);

@@ -217,7 +217,10 @@ struct WorkspaceLayout {
   static constexpr int64_t barrier_cells_offset = 0;
   static constexpr int64_t rank_counts_offset = barrier_cells_offset + int64_t{kMaxRanks} * 8;
   static constexpr int64_t expert_counts_offset = rank_counts_offset + int64_t{kMaxRanks} * 4;
-  static constexpr int64_t grid_counters_offset = expert_counts_offset + int64_t{kMaxExperts} * 4;
+  // [source rank] int32: 1 when that rank took part in the current operation without data (its
+  // input failed the host checks); the receiver reads and clears it after the entry handshake.
+  static constexpr int64_t input_failed_offset = expert_counts_offset + int64_t{kMaxExperts} * 4;
+  static constexpr int64_t grid_counters_offset = input_failed_offset + int64_t{kMaxRanks} * 4;
   static constexpr int64_t scratch_offset = grid_counters_offset + int64_t{kNumGridCounters} * 4;
   static constexpr int64_t grid_generations_offset = scratch_offset + int64_t{kNumScratchInts} * 4;
   static constexpr int64_t barrier_epoch_offset = grid_generations_offset + int64_t{kNumGridCounters} * 4;

@@ -30,7 +30,16 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
                                 " s, cpu " + std::to_string(config.cpu_timeout_secs) + " s");
   }
   EP_CUDA_CHECK(cudaSetDevice(config.device));
+  // A constructor that throws runs no destructor: free what was allocated before the failure.
+  try {
+    create_resources();
+  } catch (...) {
+    destroy();
+    throw;
+  }
+}
 
+void Runtime::create_resources() {
   void* mapped = nullptr;
   EP_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
   error_host_ = static_cast<ErrorRecord*>(mapped);
@@ -43,10 +52,10 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   for (int i = 0; i < kNumMappedCounters; ++i) mapped_counters_host_[i] = 0;
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
 
-  if (config.backend == BackendKind::kIpc) {
-    memory_ = std::make_unique<CudaIpcMemory>(config.rank, config.num_ranks, config.window.total_bytes);
+  if (config_.backend == BackendKind::kIpc) {
+    memory_ = std::make_unique<CudaIpcMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
   } else {
-    memory_ = std::make_unique<NcclWindowMemory>(config.rank, config.num_ranks, config.window.total_bytes);
+    memory_ = std::make_unique<NcclWindowMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
   }
 }
 
@@ -74,12 +83,21 @@ void Runtime::connect_ipc(const std::vector<std::string>& handles) {
 
 std::string Runtime::create_nccl_unique_id() { return NcclWindowMemory::create_unique_id(); }
 
-void Runtime::connect_nccl(const std::string& unique_id) {
+NcclWindowMemory& Runtime::nccl_memory() {
   auto* nccl = dynamic_cast<NcclWindowMemory*>(memory_.get());
-  if (nccl == nullptr) throw std::logic_error("connect_nccl() needs the nccl backend");
+  if (nccl == nullptr) throw std::logic_error("the nccl bootstrap steps need the nccl backend");
   EP_CUDA_CHECK(cudaSetDevice(config_.device));
-  nccl->connect(unique_id);
-  finish_connect(nccl->peer_bases());
+  return *nccl;
+}
+
+void Runtime::connect_nccl(const std::string& unique_id) { nccl_memory().connect(unique_id); }
+
+void Runtime::allocate_nccl_window() { nccl_memory().allocate(); }
+
+void Runtime::register_nccl_window() {
+  NcclWindowMemory& nccl = nccl_memory();
+  nccl.register_window();
+  finish_connect(nccl.peer_bases());
 }
 
 void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
@@ -134,6 +152,7 @@ ErrorRecord Runtime::error_record() const {
   const volatile ErrorRecord* record = error_host_;
   copy.status = record->status;
   copy.invalid_status = record->invalid_status;
+  copy.peer_failed_status = record->peer_failed_status;
   std::atomic_thread_fence(std::memory_order_acquire);
   copy.operation = record->operation;
   copy.phase = record->phase;
@@ -145,6 +164,11 @@ ErrorRecord Runtime::error_record() const {
   copy.invalid_operation = record->invalid_operation;
   copy.invalid_expert = record->invalid_expert;
   copy.num_experts = record->num_experts;
+  copy.invalid_kind = record->invalid_kind;
+  copy.invalid_token = record->invalid_token;
+  copy.peer_failed_operation = record->peer_failed_operation;
+  copy.peer_failed_rank = record->peer_failed_rank;
+  copy.reserved2 = 0;
   return copy;
 }
 
@@ -153,8 +177,18 @@ void Runtime::clear_invalid_input() {
   record->invalid_operation = 0;
   record->invalid_expert = 0;
   record->num_experts = 0;
+  record->invalid_kind = 0;
+  record->invalid_token = 0;
   std::atomic_thread_fence(std::memory_order_release);
   record->invalid_status = 0;
+}
+
+void Runtime::clear_peer_failed() {
+  volatile ErrorRecord* record = error_host_;
+  record->peer_failed_operation = 0;
+  record->peer_failed_rank = 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  record->peer_failed_status = 0;
 }
 
 void Runtime::check_mapped_index(int index) const {

@@ -1,9 +1,14 @@
 // Runtime: owns one buffer's symmetric window, the device peer table, the host-mapped error record
 // and counters, and launches the cross-rank barrier. Communication kernels get a DeviceView from it.
 //
-// Construction is in two steps because the exchange of handles needs the torch process group,
-// which lives in Python:  Runtime(config)  ->  (ipc) ipc_handle() / connect_ipc(all handles)
-//                                          ->  (nccl) connect_nccl(unique id from rank 0)
+// Construction is in steps because the exchange of handles needs the torch process group, which
+// lives in Python, and because every rank must learn whether every other rank's step succeeded
+// before it enters the next collective step (a rank that failed alone would leave the others
+// blocked in a collective):
+//   Runtime(config)  (host-mapped records; ipc: the window allocation)
+//   ipc:  ipc_handle() -> connect_ipc(all handles)
+//   nccl: connect_nccl(unique id from rank 0)  [collective]  -> allocate_nccl_window()  [local]
+//         -> register_nccl_window()  [collective]
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,9 +49,12 @@ class Runtime {
   // ipc bootstrap: this rank's serialized handle, then every rank's (index = rank).
   std::string ipc_handle() const;
   void connect_ipc(const std::vector<std::string>& handles);
-  // nccl bootstrap: rank 0 creates the id, every rank connects with it (collective).
+  // nccl bootstrap: rank 0 creates the id, every rank connects with it (collective), allocates
+  // its window (local) and registers it (collective).
   static std::string create_nccl_unique_id();
   void connect_nccl(const std::string& unique_id);
+  void allocate_nccl_window();
+  void register_nccl_window();
 
   bool connected() const { return connected_; }
   const RuntimeConfig& config() const { return config_; }
@@ -64,8 +72,10 @@ class Runtime {
 
   // Copy of the host-mapped error record (status 0 = no timeout, invalid_status 0 = no bad input).
   ErrorRecord error_record() const;
-  // Forget a reported invalid input (timeouts are never cleared: the buffer is out of step).
+  // Forget a reported invalid input / peer input failure (timeouts are never cleared: the buffer is
+  // out of step).
   void clear_invalid_input();
+  void clear_peer_failed();
 
   // Host-mapped counters: the device pointer is for kernels; the host reads through these calls.
   int32_t* mapped_counters_device() const { return mapped_counters_device_; }
@@ -87,6 +97,8 @@ class Runtime {
   void destroy();
 
  private:
+  void create_resources();
+  NcclWindowMemory& nccl_memory();
   void finish_connect(const std::vector<uint8_t*>& peer_bases);
   void check_mapped_index(int index) const;
 

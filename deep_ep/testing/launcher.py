@@ -65,11 +65,19 @@ def _worker(
         results.put((rank, "error", (traceback.format_exc(), payload)))
 
 
-def launch(fn: Callable[..., Any], num_ranks: int, *args: Any, timeout_secs: float = 900.0) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    num_ranks: int,
+    *args: Any,
+    timeout_secs: float = 900.0,
+    may_exit: tuple[int, ...] = (),
+) -> list[Any]:
     """Run ``fn(rank, num_ranks, group, *args)`` in ``num_ranks`` fresh processes; return their results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). The first failing rank's exception is
     re-raised here as RankError (with the rank and its traceback) chained to the original exception.
+    Ranks in ``may_exit`` may end their process without reporting (fault tests kill them with
+    ``os._exit``): their result is None.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -93,6 +101,9 @@ def launch(fn: Callable[..., Any], num_ranks: int, *args: Any, timeout_secs: flo
             try:
                 rank, status, payload = results.get(timeout=1.0)
             except queue.Empty:
+                for r in may_exit:
+                    if r not in collected and processes[r].exitcode is not None:
+                        collected[r] = None
                 dead = [r for r, p in enumerate(processes) if r not in collected and p.exitcode not in (None, 0)]
                 if dead:
                     codes = {r: processes[r].exitcode for r in dead}

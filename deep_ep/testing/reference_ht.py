@@ -3,7 +3,9 @@
 Notation: R ranks, E experts, L = E / R local experts; expert ``e`` lives on rank ``e // L`` with
 local id ``e % L``. Inputs are lists indexed by rank; outputs are one dict per rank. The GPU
 kernels are compared bitwise against these results, so every ordering and every fp32 operation
-below is part of the contract (see the ``ht_dispatch`` and ``ht_combine`` docstrings).
+below is part of the contract (see the ``ht_dispatch`` and ``ht_combine`` docstrings). Routing is
+taken through ``sanitize_topk_idx``: an id outside ``[-1, E)`` or repeated within its row (after
+its first slot) is -1 everywhere below, as in the library.
 """
 
 import torch
@@ -17,6 +19,7 @@ from deep_ep.testing.reference_inputs import (
     describe,
     local_expert_ids,
     num_local_experts,
+    sanitize_topk_idx,
 )
 
 __all__ = ["ht_dispatch", "ht_combine"]
@@ -35,9 +38,10 @@ def ht_dispatch(
 ) -> list[dict]:
     """What every destination rank receives.
 
-    Token ``t`` of source ``s`` goes to rank ``d`` once if any of its experts lives on ``d``.
-    Non-expand: rows ordered by ``(s, t)``; keys ``x``, ``x_scales`` (None for bf16), ``topk_idx``
-    (local ids, -1 for experts elsewhere), ``topk_weights`` (the full source row, or None),
+    Token ``t`` of source ``s`` goes to rank ``d`` once if any of its experts lives on ``d``
+    (routing sanitised: a repeated or out-of-range id is -1). Non-expand: rows ordered by
+    ``(s, t)``; keys ``x``, ``x_scales`` (None for bf16), ``topk_idx`` (local ids, -1 for experts
+    elsewhere and for sanitised slots), ``topk_weights`` (the full source row unchanged, or None),
     ``src_rank``, ``src_token``. Expand: one row per (token, local expert), grouped by local
     expert, group ``l`` starting at the sum of the aligned sizes of groups ``< l``, rows inside
     a group ordered by ``(s, t)``; padding rows are zero with ``src_rank = src_token =
@@ -80,7 +84,7 @@ def _dispatch_rows(group: GroupInputs, dest: int, alignment: int) -> dict:
         src_rank.append(torch.full_like(tokens, source))
         src_token.append(tokens)
     recv_topk_idx = torch.cat(topk_idx)
-    # Ids in a row are distinct, so counting matches is counting the rows that hold each local expert.
+    # Sanitised ids in a row are distinct, so counting matches is counting the rows that hold each local expert.
     per_expert = [int((recv_topk_idx == local).sum()) for local in range(group.num_local_experts)]
     return {
         "x": torch.cat(x).view(group.payload_dtype),
@@ -157,7 +161,8 @@ def ht_combine(
     contribution is the received row (non-expand) or, in expand mode, the fp32 sum of the
     token's rows at that rank in ascending local-expert order, rounded to bf16 because that
     partial travels as bf16. Combined weights: slot ``k`` is read from the rank owning expert
-    ``topk_idx[t, k]`` (0.0 where it is -1).
+    ``topk_idx[t, k]`` (0.0 where it is -1, which includes a repeated or out-of-range id: the
+    routing is sanitised as in ``ht_dispatch``).
     """
     num_ranks = len(topk_idxs)
     num_local = num_local_experts(num_experts, num_ranks)
@@ -165,8 +170,8 @@ def ht_combine(
     hidden = ys[0].shape[1]
     results = []
     for source in range(num_ranks):
-        topk_idx = topk_idxs[source]
-        check_topk_idx(f"topk_idxs[{source}]", topk_idx, topk_idx.shape[0], num_experts)
+        check_topk_idx(f"topk_idxs[{source}]", topk_idxs[source], topk_idxs[source].shape[0])
+        topk_idx = sanitize_topk_idx(topk_idxs[source], num_experts)
         row_of = [
             _row_lookup(dispatch_results[dest], source, topk_idx.shape[0], num_local, do_expand)
             for dest in range(num_ranks)

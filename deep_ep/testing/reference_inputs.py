@@ -1,7 +1,8 @@
-"""Validation shared by the high-throughput and low-latency reference models.
+"""Validation and routing rules shared by the high-throughput and low-latency reference models.
 
-The reference is what GPU kernels are judged against, so it refuses inputs the kernels are not
-required to handle (duplicate expert ids in a row, ids outside ``[-1, E)``) instead of guessing.
+Bad expert ids are not refused: the library reports them as errors but still defines its outputs
+by a sanitised routing (``sanitize_topk_idx``), and the reference models that same routing so the
+GPU kernels can be judged on such inputs too.
 """
 
 from dataclasses import dataclass
@@ -34,24 +35,31 @@ def num_local_experts(num_experts: int, num_ranks: int) -> int:
     return num_experts // num_ranks
 
 
-def check_topk_idx(name: str, topk_idx: torch.Tensor, num_tokens: int, num_experts: int) -> None:
+def check_topk_idx(name: str, topk_idx: torch.Tensor, num_tokens: int) -> None:
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
         raise ValueError(f"{name} must be int64 [{num_tokens}, K], got {describe(topk_idx)}")
-    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
-    if out_of_range.any():
-        token, slot = (int(i) for i in out_of_range.nonzero()[0])
-        raise ValueError(
-            f"{name}[{token}, {slot}] = {int(topk_idx[token, slot])} is outside [-1, {num_experts}) "
-            f"(num_experts={num_experts})"
-        )
-    ordered = topk_idx.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if repeated.any():
-        token, slot = (int(i) for i in repeated.nonzero()[0])
-        raise ValueError(
-            f"{name}[{token}] selects expert {int(ordered[token, slot])} more than once; "
-            "expert ids within a row must be distinct"
-        )
+
+
+def sanitize_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The routing the library acts on: a copy of ``topk_idx`` (int64, same shape) in which an id
+    outside ``[-1, num_experts)``, and an id already selected at an earlier slot of the same row,
+    are -1. Only the first occurrence of an expert in a row counts; the library still reports
+    both kinds of entry as errors."""
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"topk_idx must be a tensor, got {type(topk_idx).__name__}")
+    if topk_idx.dim() != 2 or topk_idx.dtype == torch.bool or topk_idx.is_floating_point() or topk_idx.is_complex():
+        raise ValueError(f"topk_idx must be an integer tensor [T, K], got {describe(topk_idx)}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    sanitized = topk_idx.to(torch.int64, copy=True)
+    sanitized[(sanitized < -1) | (sanitized >= num_experts)] = -1
+    num_topk = sanitized.shape[1]
+    # repeated[t, k]: some slot j < k of row t holds the same expert (-1 entries never count).
+    same = sanitized.unsqueeze(2) == sanitized.unsqueeze(1)
+    earlier = torch.ones(num_topk, num_topk, dtype=torch.bool, device=sanitized.device).tril(diagonal=-1)
+    repeated = (same & earlier).any(dim=2) & (sanitized >= 0)
+    sanitized[repeated] = -1
+    return sanitized
 
 
 def split_token_input(name: str, x: TokenInput) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,7 +81,8 @@ def split_token_input(name: str, x: TokenInput) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass(frozen=True)
 class GroupInputs:
-    """Every rank's validated dispatch inputs; fp8 ``data`` is viewed as uint8 (``payload_dtype`` says so)."""
+    """Every rank's validated dispatch inputs; fp8 ``data`` is viewed as uint8 (``payload_dtype`` says so)
+    and ``topk_idx`` is the sanitised routing (``sanitize_topk_idx``)."""
 
     num_ranks: int
     num_local_experts: int
@@ -111,7 +120,7 @@ def check_group(
     for rank in range(num_ranks):
         if data[rank].shape[1] != hidden:
             raise ValueError(f"xs[{rank}] must have hidden size {hidden} like xs[0], got {describe(data[rank])}")
-        check_topk_idx(f"topk_idxs[{rank}]", topk_idxs[rank], data[rank].shape[0], num_experts)
+        check_topk_idx(f"topk_idxs[{rank}]", topk_idxs[rank], data[rank].shape[0])
         if topk_idxs[rank].shape[1] != num_topk:
             raise ValueError(
                 f"topk_idxs[{rank}] must have K={num_topk} like topk_idxs[0], got {describe(topk_idxs[rank])}"
@@ -130,7 +139,7 @@ def check_group(
         payload_dtype=data[0].dtype,
         data=[as_bytes_if_fp8(payload) for payload in data],
         scales=[pair[1] for pair in pairs] if all(is_fp8) else None,
-        topk_idx=list(topk_idxs),
+        topk_idx=[sanitize_topk_idx(topk_idx, num_experts) for topk_idx in topk_idxs],
         topk_weights=None if topk_weights_list is None else list(topk_weights_list),
     )
 

@@ -3,13 +3,21 @@
 Receive layout on rank ``d``: ``[L, R * T_ll, H]``; rows ``[s * T_ll, s * T_ll + n)`` of local
 expert ``l`` hold, in ascending token order, the ``n`` tokens of source ``s`` that selected expert
 ``d * L + l``. The kernels leave the other rows undefined, so tests compare only the rows
-``ll_valid_row_mask`` marks.
+``ll_valid_row_mask`` marks. Routing is taken through ``sanitize_topk_idx`` as in the library: an
+id outside ``[-1, E)`` is -1, and an expert repeated within a row is sent (and combined) once, in
+the slot of its first occurrence.
 """
 
 import torch
 
 from deep_ep.fp8 import FP8_GROUP_SIZE, per_token_cast_to_fp8
-from deep_ep.testing.reference_inputs import as_bytes_if_fp8, check_topk_idx, describe, num_local_experts
+from deep_ep.testing.reference_inputs import (
+    as_bytes_if_fp8,
+    check_topk_idx,
+    describe,
+    num_local_experts,
+    sanitize_topk_idx,
+)
 
 __all__ = ["ll_dispatch", "ll_combine", "ll_valid_row_mask"]
 
@@ -36,12 +44,13 @@ def ll_dispatch(
     if len(topk_idxs) != num_ranks:
         raise ValueError(f"topk_idxs must have one entry per rank ({num_ranks}), got {len(topk_idxs)}")
     hidden = xs[0].shape[-1]
-    payloads = []
+    payloads, routing = [], []
     for rank, (x, topk_idx) in enumerate(zip(xs, topk_idxs, strict=True)):
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != hidden:
             raise ValueError(f"xs[{rank}] must be bfloat16 [T, {hidden}], got {describe(x)}")
         _check_token_count(f"xs[{rank}]", x.shape[0], num_max_tokens)
-        check_topk_idx(f"topk_idxs[{rank}]", topk_idx, x.shape[0], num_experts)
+        check_topk_idx(f"topk_idxs[{rank}]", topk_idx, x.shape[0])
+        routing.append(sanitize_topk_idx(topk_idx, num_experts))
         payload, payload_scales = per_token_cast_to_fp8(x) if use_fp8 else (x, None)
         payloads.append((as_bytes_if_fp8(payload), payload_scales))
 
@@ -56,7 +65,7 @@ def ll_dispatch(
         count_per_source = torch.zeros(num_local, num_ranks, dtype=torch.int32, device=device)
         for local in range(num_local):
             for source, (data, source_scales) in enumerate(payloads):
-                tokens, slots = (topk_idxs[source] == dest * num_local + local).nonzero(as_tuple=True)
+                tokens, slots = (routing[source] == dest * num_local + local).nonzero(as_tuple=True)
                 rows = slice(source * num_max_tokens, source * num_max_tokens + tokens.numel())
                 x[local, rows] = data[tokens]
                 if scales is not None:
@@ -93,7 +102,8 @@ def ll_combine(
     """bf16 [T_s, H] per source rank: ``bf16(sum_k w[t, k] * float(y_k))``.
 
     ``y_k`` is the row of ``ys[d][l]`` where ``ll_dispatch`` put token ``t`` for expert
-    ``topk_idx[t, k]``. In fp32, starting at 0.0 and for ``k`` ascending, skipping ``-1``:
+    ``topk_idx[t, k]``. In fp32, starting at 0.0 and for ``k`` ascending, skipping ``-1`` (and the
+    slots ``sanitize_topk_idx`` turns into -1: a repeated expert counts once, at its first slot):
     ``acc = acc + (w * y)`` with the product rounded to fp32 before the add. Kernels must do the
     same (``__fadd_rn(acc, __fmul_rn(w, y))``): a fused multiply-add rounds once and differs.
     """
@@ -114,10 +124,10 @@ def ll_combine(
 
     outputs = []
     for source in range(num_ranks):
-        topk_idx, weights = topk_idxs[source], topk_weights_list[source]
-        num_tokens = topk_idx.shape[0]
+        weights, num_tokens = topk_weights_list[source], topk_idxs[source].shape[0]
         _check_token_count(f"topk_idxs[{source}]", num_tokens, num_max_tokens)
-        check_topk_idx(f"topk_idxs[{source}]", topk_idx, num_tokens, num_experts)
+        check_topk_idx(f"topk_idxs[{source}]", topk_idxs[source], num_tokens)
+        topk_idx = sanitize_topk_idx(topk_idxs[source], num_experts)
         if weights.dtype != torch.float32 or weights.shape != topk_idx.shape:
             raise ValueError(
                 f"topk_weights_list[{source}] must be float32 {list(topk_idx.shape)}, got {describe(weights)}"

@@ -55,3 +55,20 @@ def test_launch_gives_each_rank_a_share_of_the_cores():
 
     expected = max(1, (os.cpu_count() or 1) // 2)
     assert launch(_thread_count, 2) == [expected, expected]
+
+
+def _last_rank_exits(rank, num_ranks, group):
+    import os
+
+    if rank == num_ranks - 1:
+        os._exit(0)
+    return rank
+
+
+def test_launch_accepts_a_rank_allowed_to_exit_and_reports_it_as_none():
+    assert launch(_last_rank_exits, 3, may_exit=(2,)) == [0, 1, None]
+
+
+def test_launch_reports_a_rank_that_exits_without_permission():
+    with pytest.raises((RuntimeError, TimeoutError)):
+        launch(_last_rank_exits, 2, timeout_secs=5)

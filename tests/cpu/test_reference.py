@@ -10,7 +10,7 @@ Token rows are constant: rank 0 tokens hold 1, 2, 3; rank 1 tokens hold 11, 12, 
 import pytest
 import torch
 
-from deep_ep.testing.reference import ht_combine, ht_dispatch
+from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
 
 NUM_EXPERTS = 4
 HIDDEN = 128
@@ -187,18 +187,136 @@ def test_expand_combine_rounds_each_rank_partial_to_bf16():
     assert rank0["x"][1, 0].item() == 1.0
 
 
+def test_dispatch_rejects_topk_idx_that_is_not_int64_t_by_k():
+    with pytest.raises(ValueError, match=r"topk_idxs\[0\] must be int64"):
+        ht_dispatch(tokens(), [TOPK_IDXS[0].int(), TOPK_IDXS[1]], None, NUM_EXPERTS)
+    with pytest.raises(ValueError, match=r"topk_idxs\[1\] must be int64 \[3, K\]"):
+        ht_dispatch(tokens(), [TOPK_IDXS[0], TOPK_IDXS[1][:2]], None, NUM_EXPERTS)
+
+
+# Repeated and out-of-range ids (R=2, E=4, K=3). Only the first occurrence of an expert in a row
+# counts; ids outside [-1, 4) count as -1:
+#   rank 0: token 0 → [3, 1, 3] ≡ [3, 1, -1], token 1 → [0, 0, 2] ≡ [0, -1, 2]
+#   rank 1: token 0 → [2, 2, 2] ≡ [2, -1, -1], token 1 → [5, -2, 1] ≡ [-1, -1, 1]
+BAD_TOPK_IDXS = [torch.tensor([[3, 1, 3], [0, 0, 2]]), torch.tensor([[2, 2, 2], [5, -2, 1]])]
+SANITIZED_TOPK_IDXS = [torch.tensor([[3, 1, -1], [0, -1, 2]]), torch.tensor([[2, -1, -1], [-1, -1, 1]])]
+BAD_WEIGHTS = [
+    torch.tensor([[0.5, 0.25, 8.0], [1.5, 16.0, 2.0]]),
+    torch.tensor([[4.0, 32.0, 64.0], [6.0, 7.0, 9.0]]),
+]
+
+
+def bad_routing_tokens() -> list[torch.Tensor]:
+    return [rows(1, 2), rows(11, 12)]
+
+
+def test_sanitize_keeps_the_first_occurrence_and_drops_repeats_and_out_of_range_ids():
+    topk_idx = torch.tensor([[1, 1, 1], [2, -1, 2], [-1, -1, 3], [0, 4, 0], [-5, 3, 3], [3, 2, 1]], dtype=torch.int32)
+    original = topk_idx.clone()
+    sanitized = sanitize_topk_idx(topk_idx, NUM_EXPERTS)
+    assert sanitized.dtype == torch.int64 and sanitized.shape == topk_idx.shape
+    assert sanitized.tolist() == [[1, -1, -1], [2, -1, -1], [-1, -1, 3], [0, -1, -1], [-1, 3, -1], [3, 2, 1]]
+    assert torch.equal(topk_idx, original), "the input must not be modified"
+    as_int64 = original.long()
+    assert sanitize_topk_idx(as_int64, NUM_EXPERTS).data_ptr() != as_int64.data_ptr(), "must return a copy"
+    for bad, sanitized in zip(BAD_TOPK_IDXS, SANITIZED_TOPK_IDXS, strict=True):
+        assert torch.equal(sanitize_topk_idx(bad, NUM_EXPERTS), sanitized)
+
+
+def test_sanitize_rejects_non_integer_ids_and_bad_num_experts():
+    with pytest.raises(ValueError, match="integer tensor"):
+        sanitize_topk_idx(torch.zeros(2, 2), NUM_EXPERTS)
+    with pytest.raises(ValueError, match="integer tensor"):
+        sanitize_topk_idx(torch.zeros(4, dtype=torch.int64), NUM_EXPERTS)
+    with pytest.raises(TypeError, match="tensor"):
+        sanitize_topk_idx([[0, 1]], NUM_EXPERTS)
+    with pytest.raises(ValueError, match="num_experts"):
+        sanitize_topk_idx(TOPK_IDXS[0], 0)
+
+
 @pytest.mark.parametrize(
-    ("topk_idx", "message"),
+    "topk_idx",
     [
-        (torch.tensor([[1, 1], [0, -1], [2, 3]]), "more than once"),
-        (torch.tensor([[0, 4], [0, -1], [2, 3]]), "outside"),
-        (torch.tensor([[0, -2], [0, -1], [2, 3]]), "outside"),
-        (torch.tensor([[0, 1], [0, -1], [2, 3]], dtype=torch.int32), "int64"),
+        torch.tensor([[1, 1], [0, -1], [2, 3]]),
+        torch.tensor([[0, 4], [0, -1], [2, 3]]),
+        torch.tensor([[0, -2], [0, -1], [2, 3]]),
     ],
 )
-def test_dispatch_rejects_bad_topk_idx(topk_idx, message):
-    with pytest.raises(ValueError, match=message):
-        ht_dispatch(tokens(), [topk_idx, TOPK_IDXS[1]], None, NUM_EXPERTS)
+def test_dispatch_and_combine_of_bad_ids_equal_those_of_the_sanitized_routing(topk_idx):
+    bad = [topk_idx, TOPK_IDXS[1]]
+    clean = [sanitize_topk_idx(t, NUM_EXPERTS) for t in bad]
+    for do_expand in (False, True):
+        got = ht_dispatch(tokens(), bad, WEIGHTS, NUM_EXPERTS, do_expand=do_expand, expert_alignment=2)
+        want = ht_dispatch(tokens(), clean, WEIGHTS, NUM_EXPERTS, do_expand=do_expand, expert_alignment=2)
+        for got_rank, want_rank in zip(got, want, strict=True):
+            assert got_rank.keys() == want_rank.keys()
+            for key, value in want_rank.items():
+                same = torch.equal(got_rank[key], value) if isinstance(value, torch.Tensor) else got_rank[key] == value
+                assert same, (do_expand, key)
+        ys = [r["x"] for r in want]
+        weights_list = [r["topk_weights"] for r in want]
+        combined_bad = ht_combine(want, ys, bad, NUM_EXPERTS, weights_list=weights_list, do_expand=do_expand)
+        combined_clean = ht_combine(want, ys, clean, NUM_EXPERTS, weights_list=weights_list, do_expand=do_expand)
+        for got_rank, want_rank in zip(combined_bad, combined_clean, strict=True):
+            assert torch.equal(got_rank["x"], want_rank["x"])
+            assert torch.equal(got_rank["topk_weights"], want_rank["topk_weights"])
+
+
+def test_dispatch_sends_a_repeated_expert_once_with_the_repeat_slot_minus_one():
+    rank0, rank1 = ht_dispatch(bad_routing_tokens(), BAD_TOPK_IDXS, BAD_WEIGHTS, NUM_EXPERTS)
+    # Rank 1 holds experts 2 and 3: rank 0's token 0 picks expert 3 twice and arrives once, its
+    # slot 2 (the repeat) reads -1; rank 1's token 0 picks expert 2 three times, slot 0 counts.
+    assert torch.equal(rank1["x"], rows(1, 2, 11))
+    assert rank1["src_rank"].tolist() == [0, 0, 1] and rank1["src_token"].tolist() == [0, 1, 0]
+    assert rank1["topk_idx"].tolist() == [[1, -1, -1], [-1, -1, 0], [0, -1, -1]]
+    assert rank1["num_recv_tokens_per_rank"] == [2, 1]
+    assert rank1["num_recv_tokens_per_expert"] == [2, 1]
+    # Rank 0 holds experts 0 and 1: token 1 of rank 0 picks expert 0 twice; the out-of-range ids of
+    # rank 1's token 1 count as -1, its expert 1 still arrives.
+    assert torch.equal(rank0["x"], rows(1, 2, 12))
+    assert rank0["topk_idx"].tolist() == [[-1, 1, -1], [0, -1, -1], [-1, -1, 1]]
+    assert rank0["num_recv_tokens_per_rank"] == [2, 1]
+    assert rank0["num_recv_tokens_per_expert"] == [1, 2]
+    # Weights travel as the full source row, the repeat's weight included (combine ignores it).
+    assert rank1["topk_weights"].tolist() == [[0.5, 0.25, 8.0], [1.5, 16.0, 2.0], [4.0, 32.0, 64.0]]
+
+
+def test_expand_gives_a_repeated_expert_one_row_weighted_by_its_first_slot():
+    rank0, rank1 = ht_dispatch(bad_routing_tokens(), BAD_TOPK_IDXS, BAD_WEIGHTS, NUM_EXPERTS, do_expand=True)
+    # Rank 1: local expert 0 (expert 2) gets rank 0's token 1 (slot 2) and rank 1's token 0 (slot 0,
+    # not three rows); local expert 1 (expert 3) gets rank 0's token 0 once (slot 0, not slot 2).
+    assert torch.equal(rank1["x"], rows(2, 11, 1))
+    assert rank1["local_expert"].tolist() == [0, 0, 1]
+    assert rank1["src_rank"].tolist() == [0, 1, 0] and rank1["src_token"].tolist() == [1, 0, 0]
+    assert rank1["topk_weights"].tolist() == [2.0, 4.0, 0.5]
+    assert rank1["num_recv_tokens_per_expert"] == [2, 1]
+    assert torch.equal(rank0["x"], rows(2, 1, 12))
+    assert rank0["topk_weights"].tolist() == [1.5, 0.25, 9.0]
+
+
+def test_combine_counts_a_row_with_a_repeated_expert_once():
+    for do_expand in (False, True):
+        results = ht_dispatch(bad_routing_tokens(), BAD_TOPK_IDXS, None, NUM_EXPERTS, do_expand=do_expand)
+        # Identity experts: a token comes back once from each rank holding one of its (first) experts.
+        rank0, rank1 = ht_combine(results, [r["x"] for r in results], BAD_TOPK_IDXS, NUM_EXPERTS, do_expand=do_expand)
+        assert torch.equal(rank0["x"], rows(1 + 1, 2 + 2)), do_expand
+        assert torch.equal(rank1["x"], rows(11, 12)), do_expand
+
+
+def test_combined_weights_are_zero_in_the_slot_of_a_repeated_or_out_of_range_id():
+    for do_expand in (False, True):
+        results = ht_dispatch(bad_routing_tokens(), BAD_TOPK_IDXS, BAD_WEIGHTS, NUM_EXPERTS, do_expand=do_expand)
+        weights_list = [r["topk_weights"] for r in results]
+        rank0, rank1 = ht_combine(
+            results,
+            [r["x"] for r in results],
+            BAD_TOPK_IDXS,
+            NUM_EXPERTS,
+            weights_list=weights_list,
+            do_expand=do_expand,
+        )
+        assert rank0["topk_weights"].tolist() == [[0.5, 0.25, 0.0], [1.5, 0.0, 2.0]], do_expand
+        assert rank1["topk_weights"].tolist() == [[4.0, 0.0, 0.0], [0.0, 0.0, 9.0]], do_expand
 
 
 def test_dispatch_rejects_bad_arguments():

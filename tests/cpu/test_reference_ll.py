@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
+from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask, sanitize_topk_idx
 
 NUM_EXPERTS = 4
 HIDDEN = 128
@@ -117,16 +117,64 @@ def test_dispatch_rejects_more_tokens_than_the_cap():
         ll_dispatch(tokens([[1, 2, 3], [11, 12, 13]]), TOPK_IDXS, NUM_EXPERTS, 2)
 
 
-def test_dispatch_rejects_bad_expert_ids_and_fp8_hidden():
-    xs = tokens([[1, 2, 3], [11, 12, 13]])
-    with pytest.raises(ValueError, match="more than once"):
-        ll_dispatch(xs, [torch.tensor([[0, 0], [1, 2], [3, -1]]), TOPK_IDXS[1]], NUM_EXPERTS, NUM_MAX_TOKENS)
-    with pytest.raises(ValueError, match="outside"):
-        ll_dispatch(xs, [torch.tensor([[0, 9], [1, 2], [3, -1]]), TOPK_IDXS[1]], NUM_EXPERTS, NUM_MAX_TOKENS)
-    narrow = [x[:, :64].contiguous() for x in xs]
+def test_dispatch_rejects_fp8_hidden_not_a_multiple_of_128():
+    narrow = [x[:, :64].contiguous() for x in tokens([[1, 2, 3], [11, 12, 13]])]
     with pytest.raises(ValueError, match="multiple of 128"):
         ll_dispatch(narrow, TOPK_IDXS, NUM_EXPERTS, NUM_MAX_TOKENS, use_fp8=True)
     assert ll_dispatch(narrow, TOPK_IDXS, NUM_EXPERTS, NUM_MAX_TOKENS, use_fp8=False)[0]["x"].shape[-1] == 64
+
+
+def test_dispatch_rejects_topk_idx_that_is_not_int64():
+    with pytest.raises(ValueError, match=r"topk_idxs\[0\] must be int64"):
+        ll_dispatch(tokens([[1, 2, 3], [11, 12, 13]]), [TOPK_IDXS[0].int(), TOPK_IDXS[1]], NUM_EXPERTS, NUM_MAX_TOKENS)
+
+
+# Repeated and out-of-range ids (R=2, E=4, K=3, T_ll=2); only the first occurrence counts:
+#   rank 0: token 0 → [3, 1, 3] ≡ [3, 1, -1], token 1 → [0, 0, 2] ≡ [0, -1, 2]
+#   rank 1: token 0 → [2, 2, 2] ≡ [2, -1, -1], token 1 → [5, -2, 1] ≡ [-1, -1, 1]
+BAD_MAX_TOKENS = 2
+BAD_TOPK_IDXS = [torch.tensor([[3, 1, 3], [0, 0, 2]]), torch.tensor([[2, 2, 2], [5, -2, 1]])]
+BAD_WEIGHTS = [
+    torch.tensor([[0.5, 0.25, 8.0], [1.5, 16.0, 2.0]]),
+    torch.tensor([[4.0, 32.0, 64.0], [6.0, 7.0, 9.0]]),
+]
+
+
+def test_dispatch_sends_a_repeated_expert_once_in_the_slot_of_its_first_occurrence():
+    xs = tokens([[1, 2], [11, 12]])
+    rank0, rank1 = ll_dispatch(xs, BAD_TOPK_IDXS, NUM_EXPERTS, BAD_MAX_TOKENS, use_fp8=False)
+    # Rank 1, local 1 (expert 3): rank 0's token 0 once, from slot 0 (not again from slot 2).
+    # Rank 1, local 0 (expert 2): rank 0's token 1 (slot 2), rank 1's token 0 once (slot 0).
+    assert rank1["src_token"].tolist() == [[1, -1, 0, -1], [0, -1, -1, -1]]
+    assert rank1["topk_slot"].tolist() == [[2, -1, 0, -1], [0, -1, -1, -1]]
+    assert rank1["count"].tolist() == [2, 1] and rank1["count_per_source"].tolist() == [[1, 1], [1, 0]]
+    # Rank 0, local 0 (expert 0): rank 0's token 1 once (slot 0); local 1 (expert 1): rank 0's token 0
+    # (slot 1) and rank 1's token 1 (slot 2: its out-of-range ids 5 and -2 are skipped).
+    assert rank0["src_token"].tolist() == [[1, -1, -1, -1], [0, -1, 1, -1]]
+    assert rank0["topk_slot"].tolist() == [[0, -1, -1, -1], [1, -1, 2, -1]]
+    assert rank0["count"].tolist() == [1, 2] and rank0["count_per_source"].tolist() == [[1, 0], [1, 1]]
+    assert torch.equal(rank1["x"][0, 2].float(), 11 * PATTERN) and torch.equal(rank1["x"][1, 0].float(), PATTERN)
+
+
+def test_dispatch_of_bad_ids_equals_that_of_the_sanitized_routing():
+    xs = tokens([[1, 2], [11, 12]])
+    clean = [sanitize_topk_idx(t, NUM_EXPERTS) for t in BAD_TOPK_IDXS]
+    got = ll_dispatch(xs, BAD_TOPK_IDXS, NUM_EXPERTS, BAD_MAX_TOKENS)
+    want = ll_dispatch(xs, clean, NUM_EXPERTS, BAD_MAX_TOKENS)
+    for got_rank, want_rank in zip(got, want, strict=True):
+        for key in ("x", "x_scales", "count", "count_per_source", "src_token", "topk_slot"):
+            assert torch.equal(got_rank[key].view(torch.uint8), want_rank[key].view(torch.uint8)), key
+
+
+def test_combine_sums_a_repeated_expert_once_with_the_weight_of_its_first_slot():
+    results = ll_dispatch(tokens([[1, 2], [11, 12]]), BAD_TOPK_IDXS, NUM_EXPERTS, BAD_MAX_TOKENS, use_fp8=False)
+    ys = [filled([[3, 999, 999, 999], [5, 999, 7, 999]]), filled([[11, 999, 13, 999], [17, 999, 999, 999]])]
+    rank0, rank1 = ll_combine(results, ys, BAD_TOPK_IDXS, BAD_WEIGHTS, NUM_EXPERTS, BAD_MAX_TOKENS)
+    # rank 0: t0 = 0.5*17 (expert 3) + 0.25*5 (expert 1), its repeat of expert 3 (w=8) skipped;
+    #         t1 = 1.5*3 (expert 0) + 2*11 (expert 2), its repeat of expert 0 (w=16) skipped.
+    # rank 1: t0 = 4*13 (expert 2 once, not 4 + 32 + 64 times it); t1 = 9*7 (only expert 1 is valid).
+    assert torch.equal(rank0, torch.tensor([9.75, 26.5]).unsqueeze(1).expand(-1, HIDDEN).bfloat16())
+    assert torch.equal(rank1, torch.tensor([52.0, 63.0]).unsqueeze(1).expand(-1, HIDDEN).bfloat16())
 
 
 def test_combine_rejects_mismatched_outputs():

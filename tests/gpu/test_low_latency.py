@@ -373,7 +373,7 @@ def _outstanding(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> di
 
 
 def _bad_inputs(buffer: Any, spec: BufferSpec) -> dict:
-    """Every bad call must raise before launching anything (no rank is left waiting)."""
+    """Every bad call raises (after taking part without data: no rank is left waiting)."""
     device = _device()
     cap, hidden, num_experts = spec.num_max_tokens, spec.hidden, buffer.num_experts
     num_topk = buffer.num_ll_topk
@@ -421,8 +421,13 @@ def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec
         "not_a_handle": lambda: combine(y, inputs.topk_idx, inputs.topk_weights, object()),
     }
     results = {name: _capture(call) for name, call in calls.items()}
-    # The valid combine still answers the dispatch (every rank issues it: the protocol stays in step).
-    _combine(buffer, y, inputs, handle, "direct")
+    # Each refused call took part without data (an LL operation on every rank): the dispatch's
+    # handle is stale now, and a fresh round trip still matches the reference.
+    results["stale_after_refusals"] = _capture(lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle))
+    inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 95, uneven=False)
+    results["failures_after"] = _compare(
+        "after refused combines", _round_trip(buffer, spec, inputs, True, "direct"), expected, True
+    )
     return results
 
 
@@ -630,10 +635,16 @@ def test_bad_dispatch_inputs_raise_value_error_naming_the_rule(ll_results: list[
 
 def test_bad_combine_inputs_raise_value_error(ll_results: list[dict]) -> None:
     for rank, result in enumerate(ll_results):
-        for name, (kind, message) in result["bad_combine"].items():
+        bad = dict(result["bad_combine"])
+        stale_kind, stale_message = bad.pop("stale_after_refusals")
+        failures_after = bad.pop("failures_after")
+        for name, (kind, message) in bad.items():
             # A wrong kind of object is a TypeError; wrong values of the right kind are ValueErrors.
             assert kind == ("TypeError" if name == "not_a_handle" else "ValueError"), (rank, name, kind, message)
-        assert "not implemented" in result["bad_combine"]["zero_copy"][1]
+        assert "not implemented" in bad["zero_copy"][1]
+        # Every refusal was an LL operation on every rank (taken part in without data).
+        assert stale_kind == "RuntimeError" and "stale" in stale_message, (rank, stale_kind, stale_message)
+        assert not failures_after, f"rank {rank}: " + "\n".join(failures_after)
 
 
 def test_invalid_expert_id_is_reported_and_the_buffer_stays_usable(ll_results: list[dict]) -> None:
