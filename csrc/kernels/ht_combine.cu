@@ -129,7 +129,8 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   require(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr, "combine needs the handle's source metadata");
   require(args.num_meta_rows == 0 || args.x == nullptr || !args.do_expand || args.recv_expanded_rows != nullptr,
           "expand combine needs the expanded row map");
-  require(args.x != nullptr || args.input_failed, "combine needs x (only a failed input sends zero rows)");
+  require(args.x != nullptr || args.input_failed || args.num_meta_rows == 0,
+          "combine needs x (only a failed input sends zero rows)");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");
 }

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "memory/shareable_allocation.hpp"
+
 namespace deep_ep {
 
 enum class BackendKind { kIpc = 0, kNccl = 1 };
@@ -26,8 +28,11 @@ class SymmetricMemory {
   virtual void release() = 0;
 };
 
-// CUDA IPC: cudaMalloc + cudaIpcGetMemHandle; peers opened with cudaIpcOpenMemHandle. Works for
-// ranks sharing a GPU and for P2P-capable GPUs.
+// Process-to-process sharing on one host, for ranks sharing a GPU and for P2P-capable GPUs. By
+// default the window is a ShareableAllocation (peers hold a reference: a dead rank's window stays
+// mapped in its peers); where the driver cannot export one (or EP_IPC_MEMORY=legacy), cudaMalloc +
+// cudaIpcGetMemHandle, whose memory goes away with its process. Every rank picks the same kind on
+// one host; connect() refuses a mix.
 class CudaIpcMemory final : public SymmetricMemory {
  public:
   CudaIpcMemory(int rank, int num_ranks, int64_t bytes);
@@ -38,12 +43,16 @@ class CudaIpcMemory final : public SymmetricMemory {
   const std::vector<uint8_t*>& peer_bases() const override { return peer_bases_; }
   int64_t bytes() const override { return bytes_; }
   void release() override;
+  bool shares_by_reference() const { return shared_ != nullptr; }
 
  private:
   int rank_;
   int num_ranks_;
   int64_t bytes_;
+  int device_ = 0;
   uint8_t* base_ = nullptr;
+  std::unique_ptr<ShareableAllocation> shared_;                // this rank's window (reference-counted kind)
+  std::vector<std::unique_ptr<ShareableAllocation>> imported_;  // peers' windows (same kind)
   std::vector<uint8_t*> peer_bases_;
 };
 

@@ -21,6 +21,26 @@ from typing import Any
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+OTHER_FAILURES_GRACE_SECS = 15.0
+
+
+def _drain_failures(results: Any, max_reports: int, seconds: float) -> list[tuple[int, str]]:
+    """(rank, traceback) of the failures reported within ``seconds`` (at most ``max_reports`` reports)."""
+    failures: list[tuple[int, str]] = []
+    deadline = time.monotonic() + seconds
+    for _ in range(max(0, max_reports)):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, payload = results.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if status != "ok":
+            failures.append((rank, payload[0]))
+    return failures
+
+
 class RankError(RuntimeError):
     """A rank raised: carries its rank and the remote traceback."""
 
@@ -116,6 +136,14 @@ def launch(
                 collected[rank] = pickle.loads(payload)
             else:
                 failure = (rank, payload[0], payload[1])
+        if failure is not None:
+            # The first failure is often a consequence of another rank's: give the others a few
+            # seconds to report theirs, and show them too.
+            others = _drain_failures(results, num_ranks - len(collected) - 1, OTHER_FAILURES_GRACE_SECS)
+            if others:
+                rank, remote_traceback, pickled = failure
+                listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
+                failure = (rank, remote_traceback + listing, pickled)
     finally:
         if failure is not None or len(collected) < num_ranks:
             for process in processes:

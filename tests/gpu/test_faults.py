@@ -135,6 +135,8 @@ def _constructor_faults(rank, num_ranks, group):
         lambda: _buffer(group, num_experts, num_topk=-1 if rank == bad_rank else TOPK).destroy()
     )
 
+    # Warm-up: the first window of a process also loads modules and context state that stay.
+    _buffer(group, num_experts, num_bytes=256 * MiB).destroy()
     torch.cuda.synchronize()
     dist.barrier(group=group)
     free_before, _ = torch.cuda.mem_get_info()
@@ -383,27 +385,34 @@ def _killed(rank, num_ranks, group, operation):
     x, topk_idx, weights = _inputs(rank, num_experts, seed=12)
     recv_x, _, recv_weights, handle, _ = buffer.dispatch(x, topk_idx, weights, num_experts=num_experts)
     dist.barrier(group=group)
-    if rank == victim:
-        # Launch the operation's kernels, then die in the middle of it.
+
+    def run():
         if operation == "dispatch":
-            buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, do_cpu_sync=False)
-        else:
-            buffer.combine(recv_x, handle, topk_weights=recv_weights)
+            return buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, do_cpu_sync=rank != victim)
+        return buffer.combine(recv_x, handle, topk_weights=recv_weights)
+
+    if rank == victim:
+        # Launch the operation's kernels (they wait for the peers, which arrive later), then die.
+        run()
         os._exit(0)
-    # Arrive after the victim is gone, so its kernels cannot have completed the operation with us.
+    # Arrive after the victim is gone. Its kernels may still finish this operation with us (the
+    # driver may complete a dead process's queued work): then the next operation is the first that
+    # misses it. Either way the first failing call must name it within the timeout + 2 s.
     time.sleep(1.0)
-    if operation == "dispatch":
-        call = lambda: (buffer.dispatch(x, topk_idx, weights, num_experts=num_experts), buffer.check_errors())  # noqa: E731
-    else:
-        call = lambda: (buffer.combine(recv_x, handle, topk_weights=recv_weights), buffer.check_errors())  # noqa: E731
-    results = {"call": _outcome(call)}
+    results = {"attempts": []}
+    for _ in range(2):
+        outcome = _outcome(lambda: (run(), buffer.check_errors()))
+        results["attempts"].append(outcome)
+        if outcome[0] is not None:
+            break
     error = buffer._failure
     results["peer"], results["phase"] = (error.peer, error.phase) if error is not None else (None, None)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         results["destroy"] = _outcome(buffer.destroy)
     recv_x = recv_weights = handle = None
-    # The survivors' CUDA context still works, and so does a new buffer among them.
+    # The survivors' CUDA context still works (the victim's window stays mapped: no fault), and so
+    # does a new buffer among them.
     probe = torch.arange(1024, device=_device(), dtype=torch.float32)
     results["context_ok"] = float(probe.sum().item()) == 1023 * 1024 / 2
     survivors = dist.new_group(ranks=list(range(victim)), backend="gloo", use_local_synchronization=True)
@@ -425,13 +434,14 @@ def test_a_rank_killed_mid_operation_is_named_by_every_survivor(num_ranks, opera
     results = launch(_killed, num_ranks, operation, may_exit=(victim,))
     assert results[victim] is None
     for rank, result in enumerate(results[:victim]):
-        kind, message, seconds = result["call"]
+        kind, message, seconds = result["attempts"][-1]
         assert kind == "CommTimeoutError" and f"rank {victim}" in message, (rank, result)
         assert result["peer"] == victim, (rank, result)
         assert result["phase"] != "grid synchronisation", (rank, result)
         assert seconds < TIMEOUT + SLACK, (rank, result)
         assert result["destroy"][0] is None and result["destroy"][2] < SLACK, (rank, result)
         assert result["context_ok"] and result["new_buffer_ok"], (rank, result)
+    print(f"\n[faults] killed mid-{operation}: attempts per survivor {[r['attempts'] for r in results[:victim]]}")
 
 
 # ------------------------------------------------------------------------------------ freeing

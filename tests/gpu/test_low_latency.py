@@ -408,21 +408,28 @@ def _bad_inputs(buffer: Any, spec: BufferSpec) -> dict:
 
 def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
     inputs, _ = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 91, uneven=False)
-    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
-    y = _expert_outputs(recv_x, True)
     combine = buffer.low_latency_combine
     calls = {
-        "zero_copy": lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle, zero_copy=True),
-        "x_shape": lambda: combine(y[:, :-1], inputs.topk_idx, inputs.topk_weights, handle),
-        "weights_dtype": lambda: combine(y, inputs.topk_idx, inputs.topk_weights.double(), handle),
-        "out_shape": lambda: combine(
+        "zero_copy": lambda y, handle: combine(y, inputs.topk_idx, inputs.topk_weights, handle, zero_copy=True),
+        "x_shape": lambda y, handle: combine(y[:, :-1], inputs.topk_idx, inputs.topk_weights, handle),
+        "weights_dtype": lambda y, handle: combine(y, inputs.topk_idx, inputs.topk_weights.double(), handle),
+        "out_shape": lambda y, handle: combine(
             y, inputs.topk_idx, inputs.topk_weights, handle, out=torch.empty(1, spec.hidden, device=y.device)
         ),
-        "not_a_handle": lambda: combine(y, inputs.topk_idx, inputs.topk_weights, object()),
+        "not_a_handle": lambda y, handle: combine(y, inputs.topk_idx, inputs.topk_weights, object()),
     }
-    results = {name: _capture(call) for name, call in calls.items()}
-    # Each refused call took part without data (an LL operation on every rank): the dispatch's
-    # handle is stale now, and a fresh round trip still matches the reference.
+    results = {}
+    for name, call in calls.items():
+        # A refused combine still takes part (without data): an LL operation on every rank. A fresh
+        # dispatch each time keeps the handle within its two-operation lifetime.
+        recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
+        y = _expert_outputs(recv_x, True)
+        results[name] = _capture(lambda call=call, y=y, handle=handle: call(y, handle))
+    # Two refusals after a dispatch are two LL operations: its handle is stale then.
+    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
+    y = _expert_outputs(recv_x, True)
+    for _ in range(2):
+        _capture(lambda: calls["x_shape"](y, handle))
     results["stale_after_refusals"] = _capture(lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle))
     inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 95, uneven=False)
     results["failures_after"] = _compare(
