@@ -45,7 +45,7 @@ def take_part_without_input(
         return
     try:
         comm.wait_stream(compute)
-        launch(comm.cuda_stream, kept.extend)
+        launch(comm.cuda_stream, lambda *tensors: kept.extend(tensors))
         comm.synchronize()
     except Exception as failure:  # noqa: BLE001
         add_note(error, f"this rank could not take part in the operation without data ({failure}): peers time out")

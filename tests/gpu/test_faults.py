@@ -387,13 +387,16 @@ def _killed(rank, num_ranks, group, operation):
     dist.barrier(group=group)
 
     def run():
-        if operation == "dispatch":
+        if operation in ("dispatch", "between"):
             return buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, do_cpu_sync=rank != victim)
         return buffer.combine(recv_x, handle, topk_weights=recv_weights)
 
     if rank == victim:
-        # Launch the operation's kernels (they wait for the peers, which arrive later), then die.
-        run()
+        if operation == "between":
+            torch.cuda.synchronize()  # nothing of the victim's is in flight when it dies
+        else:
+            # Launch the operation's kernels (they wait for the peers, which arrive later), then die.
+            run()
         os._exit(0)
     # Arrive after the victim is gone. Its kernels may still finish this operation with us (the
     # driver may complete a dead process's queued work): then the next operation is the first that
@@ -426,7 +429,7 @@ def _killed(rank, num_ranks, group, operation):
     return results
 
 
-@pytest.mark.parametrize("operation", ["dispatch", "combine"])
+@pytest.mark.parametrize("operation", ["between", "dispatch", "combine"])
 def test_a_rank_killed_mid_operation_is_named_by_every_survivor(num_ranks, operation):
     if num_ranks < 2:
         pytest.skip("needs a survivor")

@@ -69,7 +69,7 @@ STREAM_VARIANTS: dict[str, tuple[dict[str, bool], bool]] = {
         True,
     ),
 }
-LL_MODES = ("direct", "hook", "async")
+LL_CALL_MODES = ("direct", "hook", "async")
 
 
 def ht_expert_counts(num_ranks: int) -> list[int]:
@@ -158,8 +158,8 @@ def draw_ll_mode(rng: random.Random, num_ll_topk: int) -> LlMode:
     return LlMode(
         num_topk=rng.randint(1, num_ll_topk),
         use_fp8=rng.random() < 0.5,
-        dispatch_mode="hook" if two_batches else rng.choice(LL_MODES),
-        combine_mode="hook" if two_batches else rng.choice(LL_MODES),
+        dispatch_mode="hook" if two_batches else rng.choice(LL_CALL_MODES),
+        combine_mode="hook" if two_batches else rng.choice(LL_CALL_MODES),
         with_out=rng.random() < 0.5,
         two_batches=two_batches,
         bad_ids=rng.random() < BAD_IDS_SHARE,
@@ -408,11 +408,10 @@ def check_ht_combine(expected: dict, combined: torch.Tensor, combined_weights: t
 
 
 def read_routing_report(buffer: Any) -> str | None:
-    """Wait for this rank's work, then take what the kernels reported: the ValueError message (a bad
-    routing entry of this rank), or None. Anything else propagates."""
-    torch.cuda.synchronize()
+    """Synchronise (``check_errors``) and take what the kernels reported: the ValueError message (a
+    bad routing entry of this rank), or None. Anything else propagates."""
     try:
-        buffer._check_device_errors()
+        buffer.check_errors()
     except ValueError as error:
         if type(error) is not ValueError:  # e.g. a peer's failed input: not what this test causes
             raise
@@ -663,8 +662,7 @@ def _fuzz(rank: int, num_ranks: int, group: Any) -> dict[str, int]:
         for iteration in range(NUM_ITERATIONS):
             kind = run_iteration(buffer, rank, num_ranks, iteration)
             kinds[kind] = kinds.get(kind, 0) + 1
-        torch.cuda.synchronize()
-        buffer._check_device_errors()
+        buffer.check_errors()
         assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
         return kinds
     finally:

@@ -241,7 +241,7 @@ def _soak(rank: int, num_ranks: int, group: Any) -> dict[str, int]:
             if baseline is None and ops >= WARMUP_OPS:
                 baseline = _usage(group)
         final = _usage(group)
-        buffer._check_device_errors()
+        buffer.check_errors()
         assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
         num_gpus = torch.cuda.device_count()
         return {
