@@ -406,6 +406,7 @@ def _killed(rank, num_ranks, group, operation):
     for _ in range(2):
         outcome = _outcome(lambda: (run(), buffer.check_errors()))
         results["attempts"].append(outcome)
+        print(f"[faults] rank {rank}, killed {operation}: {outcome}", flush=True)
         if outcome[0] is not None:
             break
     error = buffer._failure
