@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import deep_ep
 from deep_ep.testing import launch
-from deep_ep.topology import mps_is_running
 from deep_ep.testing.data import make_routing, make_tokens, make_weights
+from deep_ep.topology import mps_is_running
 
 TOKENS = 64
 LL_TOKENS = 32
