@@ -674,7 +674,11 @@ class HighThroughputMixin:
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {_describe(tensor)}")
         if tensor.numel() > 0 and tensor.data_ptr() % 16 != 0:
-            raise ValueError(f"{name} must start at a 16-byte aligned address (rows move as 16-byte vectors)")
+            address = tensor.data_ptr()
+            raise ValueError(
+                f"{name} must start at a 16-byte aligned address (rows move as 16-byte vectors), got address "
+                f"{address:#x} ({address % 16} bytes past a 16-byte boundary; .clone() gives an aligned copy)"
+            )
 
     def _check_dispatch_x(self, x: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(x, torch.Tensor):
@@ -717,7 +721,7 @@ class HighThroughputMixin:
 
     def _check_topk_idx(self, topk_idx: Any, num_tokens: int, device: torch.device) -> None:
         if topk_idx is None:
-            raise ValueError("topk_idx must be given unless handle= is passed (cached dispatch)")
+            raise ValueError("topk_idx must be given unless handle= is passed (cached dispatch), got None")
         self._check_tensor("topk_idx", topk_idx, device)
         if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx must be int64 [{num_tokens}, K] (T from x), got {_describe(topk_idx)}")
@@ -833,9 +837,12 @@ class HighThroughputMixin:
         if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         if isinstance(previous_event, EventOverlap) and previous_event.event is None:
-            raise ValueError("previous_event holds no event (it came from a synchronous call)")
+            raise ValueError(
+                "previous_event holds no event (got EventOverlap(event=None), the result of a synchronous call)"
+            )
         if not allocate_on_comm_stream:
             raise ValueError(
-                "previous_event requires allocate_on_comm_stream=True: the comm stream would not wait for the "
-                "caller's stream, so memory allocated there could be reused under the kernels"
+                f"previous_event requires allocate_on_comm_stream=True, got allocate_on_comm_stream="
+                f"{allocate_on_comm_stream!r}: the comm stream would not wait for the caller's stream, so memory "
+                "allocated there could be reused under the kernels"
             )

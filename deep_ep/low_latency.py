@@ -206,11 +206,7 @@ class LowLatencyMixin:
 
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
-                self._runtime,
-                self.num_max_dispatch_tokens_per_rank,
-                self.hidden,
-                self.num_experts,
-                self.num_ll_topk,
+                *self._ll_sizing(),
                 parity,
                 x.data_ptr(),
                 topk_idx.data_ptr(),
@@ -284,11 +280,7 @@ class LowLatencyMixin:
 
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
-                self._runtime,
-                self.num_max_dispatch_tokens_per_rank,
-                self.hidden,
-                self.num_experts,
-                self.num_ll_topk,
+                *self._ll_sizing(),
                 handle.parity,
                 parity,
                 x.data_ptr(),
@@ -327,11 +319,7 @@ class LowLatencyMixin:
             parity, _ = self._ll_begin()
             for phase in (_C.low_latency_dispatch_send, _C.low_latency_dispatch_recv):
                 phase(
-                    self._runtime,
-                    self.num_max_dispatch_tokens_per_rank,
-                    self.hidden,
-                    self.num_experts,
-                    self.num_ll_topk,
+                    *self._ll_sizing(),
                     parity,
                     0,
                     0,
@@ -361,11 +349,7 @@ class LowLatencyMixin:
             parity, _ = self._ll_begin()
             for phase in (_C.low_latency_combine_send, _C.low_latency_combine_recv):
                 phase(
-                    self._runtime,
-                    self.num_max_dispatch_tokens_per_rank,
-                    self.hidden,
-                    self.num_experts,
-                    self.num_ll_topk,
+                    *self._ll_sizing(),
                     handle.parity if handle is not None else 0,
                     parity,
                     0,
@@ -417,6 +401,16 @@ class LowLatencyMixin:
         event = torch.cuda.Event()
         event.record(comm)
         return EventOverlap(event, extra_tensors=keep_alive), None
+
+    def _ll_sizing(self) -> tuple[Any, int, int, int, int]:
+        """The leading arguments of every LL launcher: the runtime and the LL region's sizing."""
+        return (
+            self._runtime,
+            self.num_max_dispatch_tokens_per_rank,
+            self.hidden,
+            self.num_experts,
+            self.num_ll_topk,
+        )
 
     def _ll_layout(self) -> dict:
         layout = self.__dict__.get("_ll_layout_cache")
