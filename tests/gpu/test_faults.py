@@ -165,6 +165,7 @@ def test_constructor_failure_on_one_rank_raises_the_same_error_on_every_rank(num
     if num_ranks < 2:
         pytest.skip("needs a rank that differs from the others")
     results = launch(_constructor_faults, num_ranks)
+    print(f"\n[faults] constructor, {num_ranks} ranks: {results}")
     bad_rank = num_ranks - 1
     invalid_messages = {result["invalid"][1] for result in results}
     allocation_messages = {result["allocation"][1] for result in results}
@@ -254,6 +255,7 @@ def test_bad_input_on_one_rank_costs_no_rank_its_buffer(num_ranks):
     if num_ranks < 2:
         pytest.skip("needs peers that passed good input")
     results = launch(_bad_rank_local_inputs, num_ranks)
+    print(f"\n[faults] rank-local bad input, {num_ranks} ranks: {results}")
     bad_rank = num_ranks - 1
     for rank, result in enumerate(results):
         expected_own = {
@@ -316,6 +318,7 @@ def _duplicate_ids(rank, num_ranks, group):
 
 def test_repeated_expert_ids_count_once_and_are_reported(num_ranks):
     results = launch(_duplicate_ids, num_ranks)
+    print(f"\n[faults] repeated ids, {num_ranks} ranks: {results}")
     for rank, result in enumerate(results):
         assert result["ht_exact"], (rank, "HT expand combine counted a repeated expert twice")
         assert result["ll_exact"], (rank, "LL combine counted a repeated expert twice")
@@ -365,6 +368,7 @@ def test_a_rank_that_skips_an_operation_is_named_by_every_peer(num_ranks):
     if num_ranks < 2:
         pytest.skip("needs a peer to skip")
     results = launch(_skip_cached_dispatch, num_ranks)
+    print(f"\n[faults] skipped cached dispatch, {num_ranks} ranks: {results}")
     skipper = num_ranks - 1
     for rank, result in enumerate(results[:skipper]):
         kind, message, seconds = result["cached"]
@@ -487,6 +491,7 @@ def _implicit_free(rank, num_ranks, group):
 
 def test_dropping_a_buffer_frees_its_window_at_once_but_not_under_a_view(num_ranks):
     results = launch(_implicit_free, num_ranks)
+    print(f"\n[faults] implicit free, {num_ranks} ranks: {results}")
     for rank, result in enumerate(results):
         # Every rank of the GPU frees its window in the same step: at least one window comes back.
         assert result["freed_with_views"] < result["window_bytes"] // 2, (rank, result)
