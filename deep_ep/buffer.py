@@ -463,11 +463,12 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             self._runtime.clear_peer_failed()
             peer = record["peer_failed_rank"]
             operation = record["peer_failed_operation"]
+            what = "counts its rows as zero" if "combine" in operation else "lacks its tokens"
             messages.insert(
                 0,
                 f"rank {peer}'s input to {operation} failed its checks (rank {peer} raised the details): it took "
-                f"part without data, so this rank's result of that {operation} lacks rank {peer}'s contribution "
-                "(a combine counted its rows as zero) and must not be used; the buffer stays usable",
+                f"part without data, so this rank's result of that operation {what} and must not be used; the "
+                "buffer stays usable",
             )
             raise PeerInputError("; ".join(messages), rank=peer, operation=operation)
         if messages:
