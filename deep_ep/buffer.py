@@ -463,7 +463,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             self._runtime.clear_peer_failed()
             peer = record["peer_failed_rank"]
             operation = record["peer_failed_operation"]
-            what = "counts its rows as zero" if "combine" in operation else "lacks its tokens"
+            what = "lacks its rows (sent as zeros, or not at all)" if "combine" in operation else "lacks its tokens"
             messages.insert(
                 0,
                 f"rank {peer}'s input to {operation} failed its checks (rank {peer} raised the details): it took "
