@@ -55,7 +55,7 @@ def uniform_cross_node_copies(
         "per_expert": num_topk * (1.0 - 1.0 / num_nodes),
         "per_rank": (num_ranks - num_ranks_per_node) * rank_hit,
         "per_node": (num_nodes - 1) * node_hit,
-        "nodes_per_token": 1.0 + (num_nodes - 1) * node_hit,
+        "nodes_per_token": num_nodes * node_hit,
         "ranks_per_token": num_ranks * rank_hit,
     }
 

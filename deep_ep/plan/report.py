@@ -198,7 +198,7 @@ def format_plan(plan: dict) -> str:
     ]
     routing_rows = [
         ("ranks touched", "ranks_per_token"),
-        ("nodes touched (incl. source)", "nodes_per_token"),
+        ("nodes touched (holding its experts)", "nodes_per_token"),
         ("cross-node copies, per expert", "per_expert"),
         ("cross-node copies, per rank", "per_rank"),
         ("cross-node copies, per node", "per_node"),

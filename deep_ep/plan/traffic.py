@@ -34,9 +34,9 @@ def cross_node_copies(
     """Mean copies per token that leave ``src_node``, for routing ``topk_idx`` ([T, K], -1 = none).
 
     Returns ``per_expert`` (valid experts on other nodes), ``per_rank`` (distinct ranks on other
-    nodes), ``per_node`` (distinct other nodes), ``nodes_per_token`` (distinct nodes among the
-    experts' nodes and ``src_node``) and ``ranks_per_token`` (distinct ranks holding the experts),
-    each averaged over all T rows (a row of -1 sends nothing and touches only its own node).
+    nodes), ``per_node`` (distinct other nodes), ``nodes_per_token`` (distinct nodes holding the
+    token's experts: the source node counts only when one of them is there) and ``ranks_per_token``
+    (distinct ranks holding the experts), each averaged over all T rows (a row of -1 touches none).
     """
     check_placement(num_experts, num_ranks, num_ranks_per_node)
     num_nodes = num_ranks // num_ranks_per_node
@@ -63,7 +63,7 @@ def cross_node_copies(
         "per_expert": remote.sum(dim=1).double().mean().item(),
         "per_rank": _count_distinct(rank, remote, num_ranks).double().mean().item(),
         "per_node": other_nodes.double().mean().item(),
-        "nodes_per_token": 1.0 + other_nodes.double().mean().item(),
+        "nodes_per_token": _count_distinct(node, valid, num_nodes).double().mean().item(),
         "ranks_per_token": _count_distinct(rank, valid, num_ranks).double().mean().item(),
     }
 

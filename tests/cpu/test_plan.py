@@ -112,7 +112,7 @@ def test_uniform_cross_node_copies_closed_forms():
     assert copies["per_node"] == pytest.approx(7 * node_hit, rel=1e-15)
     assert copies["per_node"] == pytest.approx(4.6328, abs=1e-4)
     assert copies["per_rank"] == pytest.approx(56 * rank_hit, rel=1e-15)
-    assert copies["nodes_per_token"] == pytest.approx(1 + 7 * node_hit, rel=1e-15)
+    assert copies["nodes_per_token"] == pytest.approx(8 * node_hit, rel=1e-15)
     assert copies["ranks_per_token"] == pytest.approx(64 * rank_hit, rel=1e-15)
 
 
@@ -133,11 +133,12 @@ def test_cross_node_copies_hand_worked():
     assert copies["per_expert"] == (2 + 3 + 0 + 2) / 4
     assert copies["per_rank"] == (1 + 3 + 0 + 1) / 4
     assert copies["per_node"] == (1 + 2 + 0 + 1) / 4
-    assert copies["nodes_per_token"] == (2 + 3 + 1 + 2) / 4
+    # The nodes holding the token's experts; the source node only when an expert is there.
+    assert copies["nodes_per_token"] == (2 + 2 + 0 + 2) / 4
     assert copies["ranks_per_token"] == (2 + 3 + 0 + 2) / 4
     from_node_1 = cross_node_copies(topk_idx, 16, 8, 2, src_node=1)
     assert from_node_1["per_expert"] == (2 + 1 + 0 + 4) / 4
-    assert from_node_1["nodes_per_token"] == (2 + 2 + 1 + 3) / 4
+    assert from_node_1["nodes_per_token"] == copies["nodes_per_token"]
 
 
 def test_cross_node_copies_accepts_numpy():
