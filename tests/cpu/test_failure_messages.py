@@ -1,0 +1,59 @@
+"""Host-side failure rules that need no GPU: how every rank's construction outcome becomes one
+error, and what a device report of a bad routing entry says."""
+
+from __future__ import annotations
+
+import pytest
+
+from deep_ep import PeerInputError
+from deep_ep.buffer import _invalid_entry_message, _outcome, _raise_if_any_rank_failed
+
+
+def test_no_failure_raises_nothing():
+    _raise_if_any_rank_failed("settings check", [None, None, None])
+
+
+def test_bad_arguments_on_some_ranks_raise_value_error_naming_each():
+    errors = [None, ("ValueError", "num_topk must be a non-negative int, got -1"), None, ("ValueError", "bad")]
+    with pytest.raises(ValueError) as info:
+        _raise_if_any_rank_failed("settings check", errors)
+    message = str(info.value)
+    assert "settings check on rank(s) [1, 3]" in message
+    assert "rank 1: ValueError: num_topk must be a non-negative int, got -1" in message
+    assert "rank 3: ValueError: bad" in message
+
+
+def test_mixed_or_runtime_failures_raise_runtime_error():
+    with pytest.raises(RuntimeError, match=r"window allocation .* rank\(s\) \[0\]"):
+        _raise_if_any_rank_failed("window allocation (ipc backend)", [("RuntimeError", "out of memory"), None])
+    with pytest.raises(RuntimeError) as info:
+        _raise_if_any_rank_failed("step", [("ValueError", "a"), ("TypeError", "b")])
+    assert not isinstance(info.value, (ValueError, TypeError))
+
+
+def test_type_errors_stay_type_errors():
+    with pytest.raises(TypeError, match="rank 0: TypeError: x"):
+        _raise_if_any_rank_failed("settings check", [("TypeError", "x"), None])
+
+
+def test_outcome_captures_the_exception_type_and_message():
+    assert _outcome(lambda: 5) == (5, None)
+
+    def fail():
+        raise KeyError("missing")
+
+    assert _outcome(fail) == (None, ("KeyError", "'missing'"))
+
+
+def test_invalid_entry_messages_name_the_id_and_the_row():
+    record = {"invalid_expert": 300, "invalid_token": 7, "invalid_operation": "dispatch count exchange"}
+    out_of_range = _invalid_entry_message({**record, "invalid_kind": "out_of_range", "num_experts": 256})
+    assert "expert id 300 outside [-1, 256) at row 7" in out_of_range
+    duplicate = _invalid_entry_message({**record, "invalid_expert": 5, "invalid_kind": "duplicate", "num_experts": 8})
+    assert "row 7 selects expert 5 more than once" in duplicate and "first slot counted" in duplicate
+
+
+def test_peer_input_error_is_a_value_error_naming_the_rank():
+    error = PeerInputError("rank 2's input failed", rank=2, operation="combine")
+    assert isinstance(error, ValueError)
+    assert (error.rank, error.operation) == (2, "combine")
