@@ -392,15 +392,20 @@ def _killed(rank, num_ranks, group, operation):
     dist.barrier(group=group)
 
     def run():
-        if operation in ("dispatch", "between"):
-            return buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, do_cpu_sync=rank != victim)
+        if operation in ("dispatch", "dispatch-early", "between"):
+            # dispatch-early: the victim does not wait for the counts, so it dies with its whole
+            # dispatch (count exchange included) still waiting for the peers.
+            cpu_sync = not (operation == "dispatch-early" and rank == victim)
+            return buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, do_cpu_sync=cpu_sync)
         return buffer.combine(recv_x, handle, topk_weights=recv_weights)
 
     if rank == victim:
         if operation == "between":
             torch.cuda.synchronize()  # nothing of the victim's is in flight when it dies
         else:
-            # Launch the operation's kernels (they wait for the peers, which arrive later), then die.
+            # Launch the operation's kernels (they wait for the peers, which arrive later), then die
+            # as soon as the call returns: a dispatch returns after its CPU sync (the count exchange
+            # done, the token copies and the epilogue still in flight), a combine at once.
             run()
         os._exit(0)
     # Arrive after the victim is gone. Its kernels may still finish this operation with us (the
@@ -435,11 +440,11 @@ def _killed(rank, num_ranks, group, operation):
     return results
 
 
-@pytest.mark.parametrize("operation", ["between", "dispatch", "combine"])
+@pytest.mark.parametrize("operation", ["between", "dispatch", "dispatch-early", "combine"])
 def test_a_rank_killed_mid_operation_is_named_by_every_survivor(num_ranks, operation):
     if num_ranks < 2:
         pytest.skip("needs a survivor")
-    if operation == "dispatch" and num_ranks > torch.cuda.device_count() and mps_is_running():
+    if operation == "dispatch-early" and num_ranks > torch.cuda.device_count() and mps_is_running():
         # Measured on one H200 under MPS (CUDA 13): a process that dies while its dispatch kernels
         # are still waiting for their peers faults the MPS server's shared context, and every
         # survivor then sees cudaErrorIllegalAddress. One process per GPU shares no context.
