@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 import torch
 from ht_checks import assert_bitwise_equal, device, expert_output, make_buffer, split
+from ll_calls import NoHostSync, ll_combine_call, ll_dispatch_call, ll_expert_output
 
-from deep_ep import per_token_cast_back, per_token_cast_to_fp8
+from deep_ep import per_token_cast_to_fp8
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_routing, make_tokens, make_weights
 from deep_ep.testing.reference import (
@@ -456,23 +457,6 @@ def run_ht_iteration(buffer: Any, rank: int, num_ranks: int, mode: HtMode, seed:
 # ------------------------------------------------------------------------------- LL calls
 
 
-class NoHostSync:
-    """set_sync_debug_mode('error') around LL calls only (the reference and the checks sync)."""
-
-    def __enter__(self) -> None:
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-def ll_expert_output(recv_x: Any, use_fp8: bool) -> torch.Tensor:
-    """A deterministic 'expert': dequantise, then scale local expert l by (l % 3 + 1) in bf16."""
-    y = per_token_cast_back(*recv_x) if use_fp8 else recv_x
-    factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
-    return y * factors.view(-1, 1, 1)
-
-
 @dataclass
 class LlBatch:
     """One LL micro-batch: this rank's inputs and its part of the reference."""
@@ -515,43 +499,17 @@ def make_ll_batches(
     return batches
 
 
-def ll_dispatch_call(buffer: Any, batch: LlBatch, use_fp8: bool, mode: str) -> tuple:
-    """``(recv_x, recv_count, handle, hook)``: ``hook`` is None unless ``mode`` is 'hook' (then the
-    caller calls it); with 'async' the caller's stream already waits for the event."""
-    with NoHostSync():
-        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
-            batch.x,
-            batch.topk_idx,
-            buffer.num_max_dispatch_tokens_per_rank,
-            buffer.num_experts,
-            use_fp8=use_fp8,
-            async_finish=mode == "async",
-            return_recv_hook=mode == "hook",
-        )
-        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
-        if event is not None:
-            event.current_stream_wait()
-    return recv_x, recv_count, handle, hook
+def ll_dispatch_batch(buffer: Any, batch: LlBatch, use_fp8: bool, mode: str) -> tuple:
+    """``ll_dispatch_call`` on one micro-batch."""
+    return ll_dispatch_call(buffer, batch.x, batch.topk_idx, use_fp8, mode)
 
 
-def ll_combine_call(buffer: Any, y: torch.Tensor, batch: LlBatch, handle: Any, mode: str, with_out: bool) -> tuple:
-    """``(combined, hook)`` as ``ll_dispatch_call``; with ``with_out`` the result lands in a given tensor."""
+def ll_combine_batch(buffer: Any, y: torch.Tensor, batch: LlBatch, handle: Any, mode: str, with_out: bool) -> tuple:
+    """``ll_combine_call`` on one micro-batch; with ``with_out`` the result lands in a given tensor."""
     out = None
     if with_out:
         out = torch.full((batch.x.shape[0], buffer.hidden), float("nan"), dtype=torch.bfloat16, device=batch.x.device)
-    with NoHostSync():
-        combined, event, hook = buffer.low_latency_combine(
-            y,
-            batch.topk_idx,
-            batch.topk_weights,
-            handle,
-            async_finish=mode == "async",
-            return_recv_hook=mode == "hook",
-            out=out,
-        )
-        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
-        if event is not None:
-            event.current_stream_wait()
+    combined, hook = ll_combine_call(buffer, y, batch.topk_idx, batch.topk_weights, handle, mode, out)
     if out is not None:
         assert combined.data_ptr() == out.data_ptr(), "low_latency_combine(out=...) did not return the given tensor"
     return combined, hook
@@ -594,7 +552,7 @@ def run_ll_iteration(buffer: Any, rank: int, num_ranks: int, mode: LlMode, seed:
         num_experts=buffer.num_experts,
     )
     # Every dispatch is sent before any hook runs (two batches: both hooks outstanding).
-    sent = [ll_dispatch_call(buffer, batch, mode.use_fp8, mode.dispatch_mode) for batch in batches]
+    sent = [ll_dispatch_batch(buffer, batch, mode.use_fp8, mode.dispatch_mode) for batch in batches]
     for *_, hook in sent:
         call_hook(hook)
     if mode.bad_ids:
@@ -607,7 +565,7 @@ def run_ll_iteration(buffer: Any, rank: int, num_ranks: int, mode: LlMode, seed:
             raise AssertionError(f"batch {index}: {error}") from error
         ys.append(ll_expert_output(recv_x, mode.use_fp8))
     combines = [
-        ll_combine_call(buffer, y, batch, handle, mode.combine_mode, mode.with_out)
+        ll_combine_batch(buffer, y, batch, handle, mode.combine_mode, mode.with_out)
         for y, batch, (_, _, handle, _) in zip(ys, batches, sent, strict=True)
     ]
     for _, hook in combines:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from ll_calls import NoHostSync, ll_combine_call, ll_dispatch_call, ll_expert_output
 
 import deep_ep
-from deep_ep.fp8 import per_token_cast_back
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
@@ -110,16 +110,6 @@ def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int) -> deep_ep.Elasti
     )
 
 
-def _expert_outputs(recv_x: Any, use_fp8: bool) -> torch.Tensor:
-    """A deterministic 'expert': dequantise, then scale local expert l by (l % 3 + 1) in bf16.
-
-    Same arithmetic on the reference's tensors and on the kernels' views, so a bitwise-correct
-    dispatch gives bitwise-identical combine inputs on the valid rows."""
-    y = per_token_cast_back(*recv_x) if use_fp8 else recv_x
-    factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
-    return y * factors.view(-1, 1, 1)
-
-
 @dataclass
 class Inputs:
     x: torch.Tensor
@@ -167,22 +157,12 @@ def _inputs_and_reference(
     results = ll_dispatch(xs, idxs, num_experts, spec.num_max_tokens, use_fp8=use_fp8)
     ys = []
     for dest, result in enumerate(results):
-        ys.append(_expert_outputs((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
+        ys.append(ll_expert_output((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
         if dest != rank:  # ll_combine only needs src_token of the other ranks: free the payloads
             result["x"] = result["x_scales"] = None
     combined = ll_combine(results, ys, idxs, weights, num_experts, spec.num_max_tokens)[rank]
     inputs = Inputs(xs[rank], idxs[rank], weights[rank])
     return inputs, Expected(results[rank], combined)
-
-
-class NoHostSync:
-    """set_sync_debug_mode('error') for the LL calls only (the reference and the checks sync)."""
-
-    def __enter__(self) -> None:
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @dataclass
@@ -209,39 +189,18 @@ def _snapshot(recv_x: Any, recv_count: torch.Tensor, handle: Any) -> Observed:
 
 
 def _dispatch(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str) -> tuple[Any, Any, Any]:
-    with NoHostSync():
-        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
-            inputs.x,
-            inputs.topk_idx,
-            spec.num_max_tokens,
-            buffer.num_experts,
-            use_fp8=use_fp8,
-            async_finish=mode == "async",
-            return_recv_hook=mode == "hook",
-        )
-        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
-        if hook is not None:
+    recv_x, recv_count, handle, hook = ll_dispatch_call(buffer, inputs.x, inputs.topk_idx, use_fp8, mode)
+    if hook is not None:
+        with NoHostSync():
             hook()
-        if event is not None:
-            event.current_stream_wait()
     return recv_x, recv_count, handle
 
 
 def _combine(buffer: Any, y: torch.Tensor, inputs: Inputs, handle: Any, mode: str, out: Any = None) -> torch.Tensor:
-    with NoHostSync():
-        combined, event, hook = buffer.low_latency_combine(
-            y,
-            inputs.topk_idx,
-            inputs.topk_weights,
-            handle,
-            async_finish=mode == "async",
-            return_recv_hook=mode == "hook",
-            out=out,
-        )
-        if hook is not None:
+    combined, hook = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, mode, out)
+    if hook is not None:
+        with NoHostSync():
             hook()
-        if event is not None:
-            event.current_stream_wait()
     return combined
 
 
@@ -249,7 +208,7 @@ def _round_trip(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mo
     recv_x, recv_count, handle = _dispatch(buffer, spec, inputs, use_fp8, mode)
     observed = _snapshot(recv_x, recv_count, handle)
     out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
-    observed.combined = _combine(buffer, _expert_outputs(recv_x, use_fp8), inputs, handle, mode, out=out)
+    observed.combined = _combine(buffer, ll_expert_output(recv_x, use_fp8), inputs, handle, mode, out=out)
     if observed.combined.data_ptr() != out.data_ptr():
         raise AssertionError("low_latency_combine(out=...) did not return the given tensor")
     return observed
@@ -359,7 +318,7 @@ def _outstanding(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> di
     combine_hooks = []
     with NoHostSync():
         for (recv_x, _, handle, _), (inputs, _), use_fp8 in zip(pending, cases[:2], (True, False), strict=True):
-            y = _expert_outputs(recv_x, use_fp8)
+            y = ll_expert_output(recv_x, use_fp8)
             combined, _, hook = buffer.low_latency_combine(
                 y, inputs.topk_idx, inputs.topk_weights, handle, return_recv_hook=True
             )
@@ -423,11 +382,11 @@ def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec
         # A refused combine still takes part (without data): an LL operation on every rank. A fresh
         # dispatch each time keeps the handle within its two-operation lifetime.
         recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
-        y = _expert_outputs(recv_x, True)
+        y = ll_expert_output(recv_x, True)
         results[name] = _capture(lambda call=call, y=y, handle=handle: call(y, handle))
     # Two refusals after a dispatch are two LL operations: its handle is stale then.
     recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
-    y = _expert_outputs(recv_x, True)
+    y = ll_expert_output(recv_x, True)
     for _ in range(2):
         _capture(lambda: calls["x_shape"](y, handle))
     results["stale_after_refusals"] = _capture(lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle))
@@ -447,7 +406,7 @@ def _invalid_expert(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) ->
     recv_x, _, handle = _dispatch(buffer, spec, inputs_bad, True, "direct")
     torch.cuda.synchronize()
     after_dispatch = _capture(buffer._check_device_errors)
-    _combine(buffer, _expert_outputs(recv_x, True), inputs_bad, handle, "direct")
+    _combine(buffer, ll_expert_output(recv_x, True), inputs_bad, handle, "direct")
     torch.cuda.synchronize()
     _capture(buffer._check_device_errors)  # the combine saw the same id: clear it
     # The buffer stays usable: a clean round trip still matches the reference.
@@ -470,7 +429,7 @@ def _interleave_with_high_throughput(buffer: Any, rank: int, num_ranks: int, spe
     with NoHostSync():
         hook()
     observed = _snapshot(recv_x, recv_count, handle)
-    observed.combined = _combine(buffer, _expert_outputs(recv_x, True), inputs, handle, "direct")
+    observed.combined = _combine(buffer, ll_expert_output(recv_x, True), inputs, handle, "direct")
     failures = _compare("interleaved with HT", observed, expected, True)
     # And an LL round trip right after HT traffic.
     inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, spec.topk(num_ranks), False, 95)
@@ -493,7 +452,7 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         recv_x, recv_count, handle = _dispatch(buffer, spec, static, True, mode)
-        combined = _combine(buffer, _expert_outputs(recv_x, True), static, handle, mode)
+        combined = _combine(buffer, ll_expert_output(recv_x, True), static, handle, mode)
     mismatches = torch.zeros(GRAPH_INPUT_SETS, dtype=torch.int64, device=static.x.device)
     for replay in range(GRAPH_REPLAYS):
         index = replay % GRAPH_INPUT_SETS

@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ht_checks import assert_bitwise_equal, make_buffer
+from ll_calls import ll_expert_output
 from test_fuzz import (
     HtMode,
     LlBatch,
@@ -46,9 +47,8 @@ from test_fuzz import (
     ht_combine_call,
     ht_dispatch_call,
     ht_reference,
-    ll_combine_call,
-    ll_dispatch_call,
-    ll_expert_output,
+    ll_combine_batch,
+    ll_dispatch_batch,
     make_ht_inputs,
     make_ll_batches,
 )
@@ -164,7 +164,7 @@ def _cycle(buffer: Any, rank: int, num_ranks: int, cycle: int, ht_cases: list, l
     outputs = ht_dispatch_call(buffer, ht.mode, ht.x, ht.topk_idx, ht.weights)
     if check:
         check_ht_dispatch(ht.mode, ht.expected.dispatch, outputs, num_ranks)
-    recv_x, recv_count, ll_handle, ll_hook = ll_dispatch_call(buffer, ll, ll_use_fp8, ll_dispatch_mode)
+    recv_x, recv_count, ll_handle, ll_hook = ll_dispatch_batch(buffer, ll, ll_use_fp8, ll_dispatch_mode)
     combined = ht_combine_call(buffer, ht.mode, outputs, rank, ht.bias)
     if check:
         check_ht_combine(ht.expected.combined, *combined)
@@ -172,7 +172,7 @@ def _cycle(buffer: Any, rank: int, num_ranks: int, cycle: int, ht_cases: list, l
     if check:
         check_ll_dispatch(ll.dispatch, recv_x, recv_count, ll_handle)
     y = ll_expert_output(recv_x, ll_use_fp8)
-    ll_combined, ll_combine_hook = ll_combine_call(buffer, y, ll, ll_handle, ll_combine_mode, ll_with_out)
+    ll_combined, ll_combine_hook = ll_combine_batch(buffer, y, ll, ll_handle, ll_combine_mode, ll_with_out)
     call_hook(ll_combine_hook)
     if check:
         assert_bitwise_equal("LL combined_x", ll_combined, ll.combined)

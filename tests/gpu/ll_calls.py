@@ -1,0 +1,75 @@
+"""The LL calls as the GPU tests make them: every mode (direct, hook, async) through one path, with
+host synchronisation forbidden around the call itself; and the expert stand-in between them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deep_ep.fp8 import per_token_cast_back
+
+
+class NoHostSync:
+    """set_sync_debug_mode('error') around LL calls only (the reference and the checks sync)."""
+
+    def __enter__(self) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def ll_dispatch_call(buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, mode: str) -> tuple:
+    """``(recv_x, recv_count, handle, hook)``: ``hook`` is None unless ``mode`` is 'hook' (then the
+    caller calls it); with 'async' the caller's stream already waits for the event."""
+    with NoHostSync():
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            x,
+            topk_idx,
+            buffer.num_max_dispatch_tokens_per_rank,
+            buffer.num_experts,
+            use_fp8=use_fp8,
+            async_finish=mode == "async",
+            return_recv_hook=mode == "hook",
+        )
+        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
+        if event is not None:
+            event.current_stream_wait()
+    return recv_x, recv_count, handle, hook
+
+
+def ll_combine_call(
+    buffer: Any,
+    y: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: Any,
+    mode: str,
+    out: torch.Tensor | None = None,
+) -> tuple:
+    """``(combined, hook)`` as ``ll_dispatch_call``."""
+    with NoHostSync():
+        combined, event, hook = buffer.low_latency_combine(
+            y,
+            topk_idx,
+            topk_weights,
+            handle,
+            async_finish=mode == "async",
+            return_recv_hook=mode == "hook",
+            out=out,
+        )
+        assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
+        if event is not None:
+            event.current_stream_wait()
+    return combined, hook
+
+
+def ll_expert_output(recv_x: Any, use_fp8: bool) -> torch.Tensor:
+    """A deterministic 'expert': dequantise, then scale local expert l by (l % 3 + 1) in bf16.
+
+    Same arithmetic on the reference's tensors and on the kernels' views, so a bitwise-correct
+    dispatch gives bitwise-identical combine inputs on the valid rows."""
+    y = per_token_cast_back(*recv_x) if use_fp8 else recv_x
+    factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
+    return y * factors.view(-1, 1, 1)
