@@ -372,6 +372,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 self.num_gpu_timeout_secs,
                 self.num_cpu_timeout_secs,
                 backend,
+                self._max_num_sms,
             )
 
         try:

@@ -21,10 +21,10 @@
 
 #include <cstdint>
 
+#include "common/device_view.hpp"
+#include "common/geometry.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/timeout.cuh"
-#include "runtime/device_view.hpp"
-#include "runtime/geometry.hpp"
 
 namespace deep_ep {
 

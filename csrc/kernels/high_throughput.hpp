@@ -20,9 +20,8 @@
 
 #include <cstdint>
 
-#include "runtime/device_view.hpp"
-#include "runtime/geometry.hpp"
-#include "runtime/runtime.hpp"
+#include "common/device_view.hpp"
+#include "common/geometry.hpp"
 
 namespace deep_ep::ht {
 

@@ -8,11 +8,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
 }  // namespace
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+  check_grid_size(args.view, "num_sms", args.num_sms);
   check_combine_shape(args.num_topk, args.hidden);
   // With no received rows (every rank dispatched nothing here) the per-row arrays are empty, so
   // their pointers may be null; the kernel reads no row then.

@@ -7,11 +7,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "kernels/routing.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -35,8 +35,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
 
   const int first_warp = static_cast<int>(blockIdx.x * kReduceWarps + threadIdx.x / 32);
   for (int t = first_warp; t < args.num_tokens; t += gridDim.x * kReduceWarps) {
-    const int expert =
-        lane < num_topk ? routed_expert(args.topk_idx, num_topk, t, lane, args.num_experts) : -1;
+    const int expert = lane < num_topk ? routed_expert(args.topk_idx, num_topk, t, lane, args.num_experts) : -1;
     const int expert_rank = expert >= 0 ? expert / num_local : -1;
     const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
     const int num_terms = __popc(first_lanes);
@@ -85,7 +84,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
 }  // namespace
 
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
-  require(args.num_ctas >= 1, "num_ctas must be >= 1, got " + std::to_string(args.num_ctas));
+  check_grid_size(args.view, "num_ctas", args.num_ctas);
   check_combine_shape(args.num_topk, args.hidden);
   reduce_kernel<<<args.num_ctas, kReduceThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine reduce_kernel");

@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <string>
 
+#include "common/geometry.hpp"
+#include "common/require.hpp"
 #include "kernels/ptx.cuh"
-#include "runtime/geometry.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 

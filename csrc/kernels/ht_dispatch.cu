@@ -8,12 +8,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "kernels/routing.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int num_ranks = args.view.num_ranks;
-  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+  check_grid_size(args.view, "num_sms", args.num_sms);
   require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
           "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
   require(args.num_experts >= 1 && args.num_experts % num_ranks == 0,

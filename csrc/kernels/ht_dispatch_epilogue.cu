@@ -9,10 +9,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
 }  // namespace
 
 void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
-  require(args.num_ctas >= 1, "num_ctas must be >= 1, got " + std::to_string(args.num_ctas));
+  check_grid_size(args.view, "num_ctas", args.num_ctas);
   require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
           "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
   require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));

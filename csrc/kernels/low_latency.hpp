@@ -25,9 +25,9 @@
 
 #include <cstdint>
 
-#include "runtime/device_view.hpp"
-#include "runtime/error_record.hpp"
-#include "runtime/geometry.hpp"
+#include "common/device_view.hpp"
+#include "common/error_record.hpp"
+#include "common/geometry.hpp"
 
 #if defined(__CUDACC__)
 #include "kernels/barrier.cuh"

@@ -14,13 +14,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep {
 namespace {
@@ -58,9 +58,10 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
       const int unit = unit_of(threadIdx.x);
       // Clamped so that a corrupted count can never address past the slots. Without the handle's
       // counts (a failed input with no usable handle) this rank sends no row.
-      unit_counts[threadIdx.x] = unit < num_units && args.count_per_source != nullptr
-                                     ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
-                                     : 0;
+      unit_counts[threadIdx.x] =
+          unit < num_units && args.count_per_source != nullptr
+              ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+              : 0;
     }
     __syncthreads();
 
@@ -216,7 +217,7 @@ void check_args(const LowLatencyCombineArgs& args) {
   require(args.hidden > 0 && args.hidden % 8 == 0,
           "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
   require(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));
-  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+  check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
 }  // namespace

@@ -15,13 +15,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
-#include "runtime/cuda_check.hpp"
-#include "runtime/require.hpp"
 
 namespace deep_ep {
 namespace {
@@ -208,7 +208,7 @@ void check_args(const LowLatencyDispatchArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   require(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
           "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
-  require(args.num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(args.num_sms));
+  check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
 int max_dynamic_shared_bytes() {

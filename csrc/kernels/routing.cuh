@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
+#include "common/device_view.hpp"
 #include "kernels/timeout.cuh"
-#include "runtime/device_view.hpp"
 
 namespace deep_ep {
 

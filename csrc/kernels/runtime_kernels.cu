@@ -1,6 +1,6 @@
+#include "common/cuda_check.hpp"
 #include "kernels/barrier.cuh"
 #include "kernels/runtime_kernels.hpp"
-#include "runtime/cuda_check.hpp"
 
 namespace deep_ep {
 namespace {

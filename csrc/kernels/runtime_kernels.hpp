@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "runtime/device_view.hpp"
+#include "common/device_view.hpp"
 
 namespace deep_ep {
 

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
+#include "common/device_view.hpp"
 #include "kernels/ptx.cuh"
-#include "runtime/device_view.hpp"
 
 namespace deep_ep {
 

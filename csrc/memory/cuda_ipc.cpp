@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
 #include "memory/symmetric_memory.hpp"
-#include "runtime/cuda_check.hpp"
 
 namespace deep_ep {
 
@@ -73,7 +73,8 @@ void CudaIpcMemory::connect(const std::vector<std::string>& handles) {
     }
     const std::string& handle = handles[peer];
     if (handle.empty() || handle[0] != my_tag) {
-      throw std::invalid_argument("IPC handle of rank " + std::to_string(peer) + " is of another kind than this rank's (" +
+      throw std::invalid_argument("IPC handle of rank " + std::to_string(peer) +
+                                  " is of another kind than this rank's (" +
                                   (my_tag == kSharedTag ? "reference-counted" : "legacy CUDA IPC") +
                                   "): every rank of a host must share its window the same way (EP_IPC_MEMORY)");
     }

@@ -6,9 +6,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.hpp"
 #include "kernels/runtime_kernels.hpp"
 #include "memory/symmetric_memory.hpp"
-#include "runtime/cuda_check.hpp"
 
 namespace deep_ep {
 namespace {

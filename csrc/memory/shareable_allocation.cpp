@@ -18,7 +18,8 @@ namespace {
 struct DriverApi {
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
   CUresult (*device_get_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-  CUresult (*mem_create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) = nullptr;
+  CUresult (*mem_create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                         unsigned long long) = nullptr;
   CUresult (*mem_export)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long) = nullptr;
   CUresult (*mem_import)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
   CUresult (*mem_granularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
@@ -47,16 +48,15 @@ bool resolve(const char* symbol, Function& function) {
 const DriverApi& driver() {
   static const DriverApi api = [] {
     DriverApi table;
-    table.complete = resolve("cuGetErrorString", table.get_error_string) &&
-                     resolve("cuDeviceGetAttribute", table.device_get_attribute) &&
-                     resolve("cuMemCreate", table.mem_create) &&
-                     resolve("cuMemExportToShareableHandle", table.mem_export) &&
-                     resolve("cuMemImportFromShareableHandle", table.mem_import) &&
-                     resolve("cuMemGetAllocationGranularity", table.mem_granularity) &&
-                     resolve("cuMemAddressReserve", table.address_reserve) &&
-                     resolve("cuMemAddressFree", table.address_free) && resolve("cuMemMap", table.mem_map) &&
-                     resolve("cuMemUnmap", table.mem_unmap) && resolve("cuMemSetAccess", table.mem_set_access) &&
-                     resolve("cuMemRelease", table.mem_release);
+    table.complete =
+        resolve("cuGetErrorString", table.get_error_string) &&
+        resolve("cuDeviceGetAttribute", table.device_get_attribute) && resolve("cuMemCreate", table.mem_create) &&
+        resolve("cuMemExportToShareableHandle", table.mem_export) &&
+        resolve("cuMemImportFromShareableHandle", table.mem_import) &&
+        resolve("cuMemGetAllocationGranularity", table.mem_granularity) &&
+        resolve("cuMemAddressReserve", table.address_reserve) && resolve("cuMemAddressFree", table.address_free) &&
+        resolve("cuMemMap", table.mem_map) && resolve("cuMemUnmap", table.mem_unmap) &&
+        resolve("cuMemSetAccess", table.mem_set_access) && resolve("cuMemRelease", table.mem_release);
     return table;
   }();
   return api;
@@ -108,8 +108,7 @@ bool ShareableAllocation::supported(int device) {
   if (!api.complete) return false;
   int vmm = 0;
   int posix_fd = 0;
-  if (api.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) !=
-          CUDA_SUCCESS ||
+  if (api.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != CUDA_SUCCESS ||
       api.device_get_attribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device) !=
           CUDA_SUCCESS) {
     return false;
@@ -147,7 +146,8 @@ void ShareableAllocation::create(int device, int64_t bytes) {
 
 void ShareableAllocation::import(int device, const std::string& handle, int64_t bytes) {
   const size_t colon = handle.find(':');
-  if (colon == std::string::npos) throw std::invalid_argument("shareable handle must be 'pid:fd', got '" + handle + "'");
+  if (colon == std::string::npos)
+    throw std::invalid_argument("shareable handle must be 'pid:fd', got '" + handle + "'");
   const int pid = std::stoi(handle.substr(0, colon));
   const int remote_fd = std::stoi(handle.substr(colon + 1));
   const int fd = duplicate_descriptor(pid, remote_fd);

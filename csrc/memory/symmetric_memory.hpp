@@ -51,7 +51,7 @@ class CudaIpcMemory final : public SymmetricMemory {
   int64_t bytes_;
   int device_ = 0;
   uint8_t* base_ = nullptr;
-  std::unique_ptr<ShareableAllocation> shared_;                // this rank's window (reference-counted kind)
+  std::unique_ptr<ShareableAllocation> shared_;                 // this rank's window (reference-counted kind)
   std::vector<std::unique_ptr<ShareableAllocation>> imported_;  // peers' windows (same kind)
   std::vector<uint8_t*> peer_bases_;
 };

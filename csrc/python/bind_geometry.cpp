@@ -2,8 +2,8 @@
 // recomputing them.
 #include <pybind11/pybind11.h>
 
-#include "runtime/geometry.hpp"
-#include "runtime/sizing.hpp"
+#include "common/geometry.hpp"
+#include "common/sizing.hpp"
 
 namespace py = pybind11;
 

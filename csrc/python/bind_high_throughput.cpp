@@ -8,9 +8,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/geometry.hpp"
 #include "kernels/high_throughput.hpp"
 #include "python/binding_utils.hpp"
-#include "runtime/geometry.hpp"
 #include "runtime/runtime.hpp"
 
 namespace py = pybind11;

@@ -11,11 +11,11 @@
 #include <string>
 #include <utility>
 
+#include "common/geometry.hpp"
+#include "common/sizing.hpp"
 #include "kernels/low_latency.hpp"
 #include "python/binding_utils.hpp"
-#include "runtime/geometry.hpp"
 #include "runtime/runtime.hpp"
-#include "runtime/sizing.hpp"
 
 namespace py = pybind11;
 
@@ -99,8 +99,8 @@ void register_low_latency(py::module_& m) {
                     std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
                     bool input_failed) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk,
-                                                  use_fp8, recv_count, count_per_source, num_sms);
+      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk, use_fp8,
+                                                  recv_count, count_per_source, num_sms);
       args.input_failed = input_failed;
       launch(args, as_stream(stream));
     };

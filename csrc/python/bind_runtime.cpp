@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error_record.hpp"
+#include "common/error_record.hpp"
 #include "runtime/runtime.hpp"
 
 namespace py = pybind11;
@@ -21,7 +21,7 @@ void register_runtime(py::module_& m) {
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int num_scaleup_ranks, int device, int64_t ht_region_bytes,
                        int64_t ll_region_bytes, double gpu_timeout_secs, double cpu_timeout_secs,
-                       const std::string& backend) {
+                       const std::string& backend, int max_num_sms) {
              if (backend != "ipc" && backend != "nccl") {
                throw std::invalid_argument("backend must be 'ipc' or 'nccl', got '" + backend + "'");
              }
@@ -34,11 +34,12 @@ void register_runtime(py::module_& m) {
              config.gpu_timeout_secs = gpu_timeout_secs;
              config.cpu_timeout_secs = cpu_timeout_secs;
              config.backend = backend == "ipc" ? BackendKind::kIpc : BackendKind::kNccl;
+             config.max_num_sms = max_num_sms;
              return std::make_unique<Runtime>(config);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("num_scaleup_ranks"), py::arg("device"),
            py::arg("ht_region_bytes"), py::arg("ll_region_bytes"), py::arg("gpu_timeout_secs"),
-           py::arg("cpu_timeout_secs"), py::arg("backend"))
+           py::arg("cpu_timeout_secs"), py::arg("backend"), py::arg("max_num_sms"))
       .def("ipc_handle", [](const Runtime& self) { return py::bytes(self.ipc_handle()); })
       .def("connect_ipc",
            [](Runtime& self, const std::vector<py::bytes>& handles) {

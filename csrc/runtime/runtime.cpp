@@ -7,8 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/cuda_check.hpp"
 #include "kernels/runtime_kernels.hpp"
-#include "runtime/cuda_check.hpp"
 
 namespace deep_ep {
 
@@ -24,6 +24,9 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   if (config.window.total_bytes % kWindowAlignBytes != 0 || config.window.total_bytes < WorkspaceLayout::bytes) {
     throw std::invalid_argument("window bytes must be a multiple of 2 MiB holding at least the workspace, got " +
                                 std::to_string(config.window.total_bytes));
+  }
+  if (config.max_num_sms < 1) {
+    throw std::invalid_argument("max_num_sms must be >= 1, got " + std::to_string(config.max_num_sms));
   }
   if (!(config.gpu_timeout_secs > 0.0) || !(config.cpu_timeout_secs > 0.0)) {
     throw std::invalid_argument("timeouts must be positive, got gpu " + std::to_string(config.gpu_timeout_secs) +
@@ -107,6 +110,7 @@ void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
   view_.rank = config_.rank;
   view_.num_ranks = config_.num_ranks;
   view_.num_scaleup_ranks = config_.num_scaleup_ranks;
+  view_.max_num_sms = config_.max_num_sms;
   view_.peer_bases = peer_table_device_;
   view_.error = error_device_;
   view_.timeout_ns = static_cast<uint64_t>(config_.gpu_timeout_secs * 1e9);

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "common/device_view.hpp"
+#include "common/error_record.hpp"
+#include "common/geometry.hpp"
 #include "memory/symmetric_memory.hpp"
-#include "runtime/device_view.hpp"
-#include "runtime/error_record.hpp"
-#include "runtime/geometry.hpp"
 
 namespace deep_ep {
 
@@ -34,10 +34,10 @@ struct RuntimeConfig {
   double gpu_timeout_secs = 100.0;
   double cpu_timeout_secs = 300.0;
   BackendKind backend = BackendKind::kIpc;
+  // CTAs a communication kernel of this rank may launch: every CTA of a grid must be resident at
+  // once (grid syncs, cross-rank spins), so ranks sharing a GPU split its SMs. Launchers check it.
+  int max_num_sms = 1;
 };
-
-// Host-mapped int32 cells the kernels write for the host (received counts for the CPU sync).
-constexpr int kNumMappedCounters = kMaxRanks + kMaxExperts + 64;
 
 class Runtime {
  public:

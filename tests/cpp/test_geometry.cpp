@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "runtime/geometry.hpp"
-#include "runtime/sizing.hpp"
+#include "common/geometry.hpp"
+#include "common/sizing.hpp"
 
 namespace deep_ep {
 namespace {

@@ -1,4 +1,4 @@
-#include "runtime/error_record.hpp"
+#include "common/error_record.hpp"
 
 namespace deep_ep {
 

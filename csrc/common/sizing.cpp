@@ -1,8 +1,8 @@
-#include "runtime/sizing.hpp"
+#include "common/sizing.hpp"
 
 #include <string>
 
-#include "runtime/require.hpp"
+#include "common/require.hpp"
 
 namespace deep_ep {
 namespace {

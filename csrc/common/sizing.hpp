@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "runtime/geometry.hpp"
+#include "common/geometry.hpp"
 
 namespace deep_ep {
 

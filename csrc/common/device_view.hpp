@@ -3,17 +3,22 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
-#include "runtime/error_record.hpp"
-#include "runtime/geometry.hpp"
+#include "common/error_record.hpp"
+#include "common/geometry.hpp"
+#include "common/require.hpp"
 
 namespace deep_ep {
+
+// Host-mapped int32 cells the kernels write for the host (received counts for the CPU sync).
+constexpr int kNumMappedCounters = kMaxRanks + kMaxExperts + 64;
 
 struct DeviceView {
   int32_t rank = 0;
   int32_t num_ranks = 1;
   int32_t num_scaleup_ranks = 1;
-  int32_t reserved = 0;
+  int32_t max_num_sms = 1;               // the rank's CTA cap (RuntimeConfig::max_num_sms); launchers check it
   uint8_t* const* peer_bases = nullptr;  // device array [num_ranks]: window base of rank p as this GPU sees it
   ErrorRecord* error = nullptr;          // host-mapped, device pointer
   uint64_t timeout_ns = 0;               // deadline of every device spin-wait
@@ -31,5 +36,14 @@ struct DeviceView {
   }
 #endif
 };
+
+// The check every launcher makes on its grid size: at least one CTA, and no more than the rank's cap
+// (a grid larger than what stays resident would deadlock in its grid syncs and cross-rank spins).
+inline void check_grid_size(const DeviceView& view, const char* name, int num_ctas) {
+  require(num_ctas >= 1 && num_ctas <= view.max_num_sms,
+          std::string(name) + " must be in [1, " + std::to_string(view.max_num_sms) +
+              "] (this rank's SM cap: device SMs divided by the ranks sharing the GPU), got " +
+              std::to_string(num_ctas));
+}
 
 }  // namespace deep_ep
