@@ -40,10 +40,10 @@ struct DeviceView {
 // The check every launcher makes on its grid size: at least one CTA, and no more than the rank's cap
 // (a grid larger than what stays resident would deadlock in its grid syncs and cross-rank spins).
 inline void check_grid_size(const DeviceView& view, const char* name, int num_ctas) {
-  require(num_ctas >= 1 && num_ctas <= view.max_num_sms,
-          std::string(name) + " must be in [1, " + std::to_string(view.max_num_sms) +
-              "] (this rank's SM cap: device SMs divided by the ranks sharing the GPU), got " +
-              std::to_string(num_ctas));
+  EP_REQUIRE(num_ctas >= 1 && num_ctas <= view.max_num_sms,
+             std::string(name) + " must be in [1, " + std::to_string(view.max_num_sms) +
+                 "] (this rank's SM cap: device SMs divided by the ranks sharing the GPU), got " +
+                 std::to_string(num_ctas));
 }
 
 }  // namespace deep_ep

@@ -8,25 +8,26 @@ namespace deep_ep {
 namespace {
 
 void check_ranks(int num_ranks) {
-  require(num_ranks >= 1 && num_ranks <= kMaxRanks,
-          "num_ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
+  EP_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks,
+             "num_ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
 }
 
 // `whole_groups_reason` is empty when any multiple of 8 will do, else why hidden needs whole
 // 128-channel groups (one fp32 scale per group).
 void check_hidden(int hidden, const std::string& whole_groups_reason) {
-  require(hidden > 0, "hidden must be positive, got " + std::to_string(hidden));
+  EP_REQUIRE(hidden > 0, "hidden must be positive, got " + std::to_string(hidden));
   // Rows move in 16-byte vectors: bf16 needs hidden % 8 == 0.
-  require(hidden % 8 == 0, "hidden must be a multiple of 8 (16-byte rows), got " + std::to_string(hidden));
+  EP_REQUIRE(hidden % 8 == 0, "hidden must be a multiple of 8 (16-byte rows), got " + std::to_string(hidden));
   if (!whole_groups_reason.empty()) {
-    require(hidden % kFp8GroupSize == 0,
-            "hidden must be a multiple of 128 " + whole_groups_reason + ", got " + std::to_string(hidden));
+    EP_REQUIRE(hidden % kFp8GroupSize == 0,
+               "hidden must be a multiple of 128 " + whole_groups_reason + ", got " + std::to_string(hidden));
   }
 }
 
 void check_topk(int num_topk) {
-  require(num_topk >= 0 && num_topk <= kMaxTopK, "num_topk must be in [0, " + std::to_string(kMaxTopK) +
-                                                     "] (0 = size for the maximum), got " + std::to_string(num_topk));
+  EP_REQUIRE(num_topk >= 0 && num_topk <= kMaxTopK, "num_topk must be in [0, " + std::to_string(kMaxTopK) +
+                                                        "] (0 = size for the maximum), got " +
+                                                        std::to_string(num_topk));
 }
 
 }  // namespace
@@ -39,11 +40,11 @@ int resolve_low_latency_topk(int num_topk, int num_experts) {
 
 HighThroughputLayout high_throughput_layout(const HighThroughputRequest& request) {
   check_ranks(request.num_ranks);
-  require(request.num_max_tokens_per_rank >= 0,
-          "num_max_tokens_per_rank must be >= 0, got " + std::to_string(request.num_max_tokens_per_rank));
-  require(request.num_scaleup_ranks >= 1 && request.num_ranks % request.num_scaleup_ranks == 0,
-          "num_ranks_per_node must divide num_ranks (" + std::to_string(request.num_ranks) + "), got " +
-              std::to_string(request.num_scaleup_ranks));
+  EP_REQUIRE(request.num_max_tokens_per_rank >= 0,
+             "num_max_tokens_per_rank must be >= 0, got " + std::to_string(request.num_max_tokens_per_rank));
+  EP_REQUIRE(request.num_scaleup_ranks >= 1 && request.num_ranks % request.num_scaleup_ranks == 0,
+             "num_ranks_per_node must divide num_ranks (" + std::to_string(request.num_ranks) + "), got " +
+                 std::to_string(request.num_scaleup_ranks));
   check_topk(request.num_topk);
   if (request.num_max_tokens_per_rank == 0) return HighThroughputLayout{};
   check_hidden(request.hidden, request.use_fp8 ? "for fp8 (one scale per 128 channels)" : "");
@@ -54,18 +55,18 @@ HighThroughputLayout high_throughput_layout(const HighThroughputRequest& request
 
 LowLatencyLayout low_latency_layout(const LowLatencyRequest& request) {
   check_ranks(request.num_ranks);
-  require(request.num_max_tokens_per_rank >= 0,
-          "num_max_dispatch_tokens_per_rank must be >= 0, got " + std::to_string(request.num_max_tokens_per_rank));
+  EP_REQUIRE(request.num_max_tokens_per_rank >= 0,
+             "num_max_dispatch_tokens_per_rank must be >= 0, got " + std::to_string(request.num_max_tokens_per_rank));
   check_topk(request.num_topk);
   if (request.num_max_tokens_per_rank == 0) return LowLatencyLayout{};
   // The LL region always reserves fp8 scales, whichever format a call uses.
   check_hidden(request.hidden, "for the low-latency region (it reserves one fp8 scale per 128 channels)");
-  require(
+  EP_REQUIRE(
       request.num_experts > 0 && request.num_experts <= kMaxExperts,
       "num_experts must be in [1, " + std::to_string(kMaxExperts) + "], got " + std::to_string(request.num_experts));
-  require(request.num_experts % request.num_ranks == 0, "num_experts (" + std::to_string(request.num_experts) +
-                                                            ") must be a multiple of num_ranks (" +
-                                                            std::to_string(request.num_ranks) + ")");
+  EP_REQUIRE(request.num_experts % request.num_ranks == 0, "num_experts (" + std::to_string(request.num_experts) +
+                                                               ") must be a multiple of num_ranks (" +
+                                                               std::to_string(request.num_ranks) + ")");
   return deep_ep::low_latency_layout(request.num_max_tokens_per_rank, request.hidden, request.num_ranks,
                                      request.num_experts,
                                      resolve_low_latency_topk(request.num_topk, request.num_experts));

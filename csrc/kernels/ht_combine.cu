@@ -125,12 +125,13 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   check_combine_shape(args.num_topk, args.hidden);
   // With no received rows (every rank dispatched nothing here) the per-row arrays are empty, so
   // their pointers may be null; the kernel reads no row then.
-  require(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));
-  require(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr, "combine needs the handle's source metadata");
-  require(args.num_meta_rows == 0 || args.x == nullptr || !args.do_expand || args.recv_expanded_rows != nullptr,
-          "expand combine needs the expanded row map");
-  require(args.x != nullptr || args.input_failed || args.num_meta_rows == 0,
-          "combine needs x (only a failed input sends zero rows)");
+  EP_REQUIRE(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));
+  EP_REQUIRE(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr,
+             "combine needs the handle's source metadata");
+  EP_REQUIRE(args.num_meta_rows == 0 || args.x == nullptr || !args.do_expand || args.recv_expanded_rows != nullptr,
+             "expand combine needs the expanded row map");
+  EP_REQUIRE(args.x != nullptr || args.input_failed || args.num_meta_rows == 0,
+             "combine needs x (only a failed input sends zero rows)");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");
 }

@@ -18,10 +18,10 @@ constexpr int kBf16PerVector = kVectorBytes / 2;
 
 // Host check shared by the combine and reduce launchers: rows move as 16-byte bf16 vectors.
 inline void check_combine_shape(int num_topk, int hidden) {
-  require(num_topk >= 1 && num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(num_topk));
-  require(hidden % kBf16PerVector == 0,
-          "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(hidden));
+  EP_REQUIRE(num_topk >= 1 && num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(num_topk));
+  EP_REQUIRE(hidden % kBf16PerVector == 0,
+             "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(hidden));
 }
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x % 32); }

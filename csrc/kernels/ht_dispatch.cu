@@ -90,17 +90,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int num_ranks = args.view.num_ranks;
   check_grid_size(args.view, "num_sms", args.num_sms);
-  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
-  require(args.num_experts >= 1 && args.num_experts % num_ranks == 0,
-          "num_experts must be a positive multiple of num_ranks, got " + std::to_string(args.num_experts));
-  require(args.num_tokens <= args.num_max_tokens_per_rank, "num_tokens (" + std::to_string(args.num_tokens) +
-                                                               ") exceeds num_max_tokens_per_rank (" +
-                                                               std::to_string(args.num_max_tokens_per_rank) + ")");
-  require((int64_t{args.hidden} * (args.use_fp8 ? 1 : 2)) % kVectorBytes == 0,
-          "hidden row bytes must be a multiple of 16, got hidden=" + std::to_string(args.hidden));
-  require(!args.use_fp8 || args.hidden % kFp8GroupSize == 0,
-          "hidden must be a multiple of 128 for fp8, got " + std::to_string(args.hidden));
+  EP_REQUIRE(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  EP_REQUIRE(args.num_experts >= 1 && args.num_experts % num_ranks == 0,
+             "num_experts must be a positive multiple of num_ranks, got " + std::to_string(args.num_experts));
+  EP_REQUIRE(args.num_tokens <= args.num_max_tokens_per_rank, "num_tokens (" + std::to_string(args.num_tokens) +
+                                                                  ") exceeds num_max_tokens_per_rank (" +
+                                                                  std::to_string(args.num_max_tokens_per_rank) + ")");
+  EP_REQUIRE((int64_t{args.hidden} * (args.use_fp8 ? 1 : 2)) % kVectorBytes == 0,
+             "hidden row bytes must be a multiple of 16, got hidden=" + std::to_string(args.hidden));
+  EP_REQUIRE(!args.use_fp8 || args.hidden % kFp8GroupSize == 0,
+             "hidden must be a multiple of 128 for fp8, got " + std::to_string(args.hidden));
   dispatch_kernel<<<args.num_sms, kDispatchThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch_kernel");
 }

@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
 
 void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   check_grid_size(args.view, "num_ctas", args.num_ctas);
-  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
-  require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
+  EP_REQUIRE(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
 }

@@ -270,15 +270,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
 void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   const int num_ranks = args.view.num_ranks;
   check_grid_size(args.view, "num_sms", args.num_sms);
-  require(args.num_experts >= 1 && args.num_experts <= kMaxExperts && args.num_experts % num_ranks == 0,
-          "num_experts must be a multiple of num_ranks (" + std::to_string(num_ranks) + ") in [1, " +
-              std::to_string(kMaxExperts) + "], got " + std::to_string(args.num_experts));
-  require(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
-  require(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
-  require(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
-  require(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
-          "too many local experts for the host-mapped counters");
+  EP_REQUIRE(args.num_experts >= 1 && args.num_experts <= kMaxExperts && args.num_experts % num_ranks == 0,
+             "num_experts must be a multiple of num_ranks (" + std::to_string(num_ranks) + ") in [1, " +
+                 std::to_string(kMaxExperts) + "], got " + std::to_string(args.num_experts));
+  EP_REQUIRE(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  EP_REQUIRE(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
+  EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
+  EP_REQUIRE(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
+             "too many local experts for the host-mapped counters");
   const size_t smem = notify_smem_bytes(args.num_experts, num_ranks);
   EP_CUDA_CHECK(
       cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

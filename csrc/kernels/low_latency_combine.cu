@@ -214,9 +214,9 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
 
 void check_args(const LowLatencyCombineArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
-  require(args.hidden > 0 && args.hidden % 8 == 0,
-          "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
-  require(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));
+  EP_REQUIRE(args.hidden > 0 && args.hidden % 8 == 0,
+             "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
+  EP_REQUIRE(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 

@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
 
 void check_args(const LowLatencyDispatchArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
-  require(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
-          "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
+  EP_REQUIRE(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
+             "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
@@ -226,16 +226,16 @@ int max_dynamic_shared_bytes() {
 
 void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
                             int num_topk) {
-  require(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
-  require(num_experts == layout.num_local_experts * num_ranks,
-          "num_experts must be " + std::to_string(layout.num_local_experts * num_ranks) + " (the buffer's), got " +
-              std::to_string(num_experts));
-  require(num_tokens >= 0 && num_tokens <= layout.num_max_tokens,
-          "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
-              "], got " + std::to_string(num_tokens));
-  require(num_topk >= 1 && num_topk <= layout.num_topk && num_topk <= kMaxTopK,
-          "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
-              std::to_string(num_topk));
+  EP_REQUIRE(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
+  EP_REQUIRE(num_experts == layout.num_local_experts * num_ranks,
+             "num_experts must be " + std::to_string(layout.num_local_experts * num_ranks) + " (the buffer's), got " +
+                 std::to_string(num_experts));
+  EP_REQUIRE(num_tokens >= 0 && num_tokens <= layout.num_max_tokens,
+             "num_tokens must be in [0, num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
+                 "], got " + std::to_string(num_tokens));
+  EP_REQUIRE(num_topk >= 1 && num_topk <= layout.num_topk && num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
+                 std::to_string(num_topk));
 }
 
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
@@ -245,10 +245,10 @@ void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaSt
   // Decided from the buffer's sizing, not from this call's T: every rank must fail alike, or the
   // ranks that launched would wait for the one that did not.
   const int64_t worst = ids_bytes(args.layout.num_max_tokens, args.layout.num_topk) + args.layout.num_max_tokens * 4;
-  require(worst <= budget,
-          "low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(args.layout.num_max_tokens) +
-              " tokens x top-" + std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
-              std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
+  EP_REQUIRE(worst <= budget,
+             "low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(args.layout.num_max_tokens) +
+                 " tokens x top-" + std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
+                 std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
   const int64_t list_bytes = int64_t{args.num_tokens} * 4;
   const int64_t routing_bytes = ids_bytes(args.num_tokens, args.num_topk);
   const int experts_per_round =
