@@ -25,6 +25,7 @@ namespace deep_ep::ht {
 namespace {
 
 constexpr int kNotifyThreads = 256;
+constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
 
@@ -280,8 +281,12 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   EP_REQUIRE(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
              "too many local experts for the host-mapped counters");
   const size_t smem = notify_smem_bytes(args.num_experts, num_ranks);
-  EP_CUDA_CHECK(
-      cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // Up to 48 KiB of dynamic shared memory needs no opt-in; the attribute call costs host time on
+  // every launch, so it is made only for the large-E shapes that need it.
+  if (smem > kDefaultDynamicSharedBytes) {
+    EP_CUDA_CHECK(
+        cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
   notify_kernel<<<args.num_sms, kNotifyThreads, smem, stream>>>(args);
   EP_CHECK_LAUNCH("ht notify_kernel");
 }
