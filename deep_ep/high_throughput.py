@@ -32,9 +32,9 @@ __all__ = ["HighThroughputMixin"]
 FP8_GROUP_SIZE = 128
 MAX_TOPK = 32
 # Link rate the SM estimate saturates. Ranks on different GPUs: the measured H200 peer copy one
-# way (GPU_TESTING.md). Ranks sharing a GPU: "NVLink" is the GPU's own memory, so use the device
-# copy class (about half of the 4.3 TB/s read + write figure); the estimate is then capped by the
-# per-rank SM share anyway.
+# way (395 GB/s, benchmarks/peer_copy.py, docs/performance.md). Ranks sharing a GPU: "NVLink" is
+# the GPU's own memory, so use the device copy class (about half of the 4.3 TB/s read + write
+# figure); the estimate is then capped by the per-rank SM share anyway.
 NVLINK_GBS = 395.0
 SHARED_GPU_GBS = 2000.0
 # Effective HBM + NVLink write rate of one SM running our direct kernels, calibrated on 2 x H200
@@ -143,9 +143,9 @@ class _CommLaunch:
 
 
 class HighThroughputMixin:
-    """HT dispatch / combine for ElasticBuffer (see DESIGN.md §3 and the module docstring)."""
+    """HT dispatch / combine for ElasticBuffer (docs/api.md and the module docstring)."""
 
-    # Set by ElasticBuffer before any method runs (PYTHON_CONTRACT.md).
+    # Set by ElasticBuffer before any method runs.
     _runtime: Any
     _window: dict[str, int]
     _comm_stream: torch.cuda.Stream

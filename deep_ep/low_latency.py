@@ -44,7 +44,7 @@ def _describe(tensor: Any) -> str:
 
 
 def _require_tensor(name: str, value: Any, expected: str) -> None:
-    """A wrong kind of object is a TypeError (DESIGN §3); a tensor of the wrong dtype or shape is a ValueError."""
+    """A wrong kind of object is a TypeError (docs/api.md); a tensor of the wrong dtype or shape is a ValueError."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a tensor ({expected}), got {type(value).__name__}")
 
@@ -119,7 +119,7 @@ class _Hook:
 class LowLatencyMixin:
     """``low_latency_dispatch`` / ``low_latency_combine`` on ElasticBuffer's LL region."""
 
-    # Set by ElasticBuffer (see .notes/PYTHON_CONTRACT.md).
+    # Set by ElasticBuffer before any method runs.
     _runtime: Any
     _window: dict
     _comm_stream: torch.cuda.Stream

@@ -37,7 +37,7 @@ NcclWindowMemory::NcclWindowMemory(int rank, int num_ranks, int64_t bytes)
   int loaded = 0;
   EP_NCCL_CHECK(ncclGetVersion(&loaded));
   // Device-API structs change between versions: kernels compiled against one header must run on
-  // exactly that library (NCCL_DEVICE_API.md §0).
+  // exactly that library (NCCL's device API has no cross-version compatibility).
   if (loaded != NCCL_VERSION_CODE) {
     throw std::runtime_error("the nccl backend was compiled against NCCL " + std::to_string(NCCL_VERSION_CODE) +
                              " but NCCL " + std::to_string(loaded) + " is loaded; rebuild or use backend='ipc'");
@@ -67,7 +67,7 @@ void NcclWindowMemory::connect(const std::string& unique_id) {
   std::memcpy(&id, unique_id.data(), sizeof(id));
   EP_NCCL_CHECK(ncclCommInitRank(&state_->comm, num_ranks_, id, rank_));
 
-  // LSA only: requesting GIN resources on a single-host communicator poisons it (NCCL_DEVICE_API.md §0.4).
+  // LSA only: requesting GIN resources on a communicator without GIN support breaks it (NCCL 2.28).
   const ncclTeam lsa = ncclTeamLsa(state_->comm);
   if (lsa.nRanks != num_ranks_) {
     throw std::runtime_error("the nccl backend needs every rank in one load/store (LSA) team, but the team has " +
