@@ -113,7 +113,7 @@ struct DispatchArgs {
   int num_tokens = 0;
   const void* x = nullptr;               // [T, H] bf16 or fp8
   const float* x_scales = nullptr;       // [T, H/128] (fp8 only)
-  const int64_t* topk_idx = nullptr;     // [T, K]
+  const int64_t* topk_idx = nullptr;     // the handle's copy [T, K] (sanitised by notify)
   const float* topk_weights = nullptr;   // [T, K] or nullptr
   const int32_t* dst_slot = nullptr;     // from notify
   const int32_t* expert_slot = nullptr;  // from notify

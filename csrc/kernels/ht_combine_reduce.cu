@@ -11,7 +11,6 @@
 #include "common/require.hpp"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
-#include "kernels/routing.cuh"
 
 namespace deep_ep::ht {
 namespace {
@@ -35,7 +34,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
 
   const int first_warp = static_cast<int>(blockIdx.x * kReduceWarps + threadIdx.x / 32);
   for (int t = first_warp; t < args.num_tokens; t += gridDim.x * kReduceWarps) {
-    const int expert = lane < num_topk ? routed_expert(args.topk_idx, num_topk, t, lane, args.num_experts) : -1;
+    const int expert =
+        lane < num_topk ? handle_expert(args.topk_idx, int64_t{t} * num_topk + lane, args.num_experts) : -1;
     const int expert_rank = expert >= 0 ? expert / num_local : -1;
     const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
     const int num_terms = __popc(first_lanes);

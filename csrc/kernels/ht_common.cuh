@@ -36,6 +36,14 @@ __device__ __forceinline__ int warp_inclusive_sum(int value) {
   return value;
 }
 
+// Entry `index` of a handle's routing copy. The notify kernel wrote that copy through
+// routed_expert(), so bad and repeated ids are -1 there already; only the range check remains, so
+// that a stray value can never address outside the window.
+__device__ __forceinline__ int handle_expert(const int64_t* topk_idx_copy, int64_t index, int num_experts) {
+  const int64_t expert = topk_idx_copy[index];
+  return (expert >= 0 && expert < num_experts) ? static_cast<int>(expert) : -1;
+}
+
 // Lane k holds the rank of its top-k entry (-1: none). True on the lowest lane of each rank: the
 // entry that owns the token's single copy to (or from) that rank.
 __device__ __forceinline__ bool is_first_lane_of_rank(int rank) {

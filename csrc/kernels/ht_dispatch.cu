@@ -13,7 +13,6 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
-#include "kernels/routing.cuh"
 
 namespace deep_ep::ht {
 namespace {
@@ -47,7 +46,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
     int expert = -1;
     int slot = -1;
     if (lane < num_topk) {
-      expert = routed_expert(args.topk_idx, num_topk, t, lane, num_experts);
+      expert = handle_expert(args.topk_idx, entry, num_experts);
       slot = args.dst_slot[entry];
     }
     const bool sends = slot >= 0 && expert >= 0;
