@@ -320,17 +320,17 @@ class LowLatencyMixin:
             for phase in (_C.low_latency_dispatch_send, _C.low_latency_dispatch_recv):
                 phase(
                     *self._ll_sizing(),
-                    parity,
-                    0,
-                    0,
-                    0,
-                    1,
-                    True,
-                    counts.data_ptr(),
-                    counts.data_ptr() + 4 * num_local,
-                    self._max_num_sms,
-                    stream,
-                    True,
+                    parity=parity,
+                    x=0,
+                    topk_idx=0,
+                    num_tokens=0,
+                    num_topk=1,
+                    use_fp8=True,
+                    recv_count=counts.data_ptr(),
+                    count_per_source=counts.data_ptr() + 4 * num_local,
+                    num_sms=self._max_num_sms,
+                    stream=stream,
+                    input_failed=True,
                 )
 
         take_part_without_input(self, error, launch)
@@ -350,18 +350,18 @@ class LowLatencyMixin:
             for phase in (_C.low_latency_combine_send, _C.low_latency_combine_recv):
                 phase(
                     *self._ll_sizing(),
-                    handle.parity if handle is not None else 0,
-                    parity,
-                    0,
-                    counts,
-                    0,
-                    0,
-                    0,
-                    0,
-                    1,
-                    self._max_num_sms,
-                    stream,
-                    True,
+                    dispatch_parity=handle.parity if handle is not None else 0,
+                    parity=parity,
+                    x=0,
+                    count_per_source=counts,
+                    topk_idx=0,
+                    topk_weights=0,
+                    out=0,
+                    num_tokens=0,
+                    num_topk=1,
+                    num_sms=self._max_num_sms,
+                    stream=stream,
+                    input_failed=True,
                 )
 
         take_part_without_input(self, error, launch)
