@@ -37,6 +37,9 @@ struct DeviceView {
 #endif
 };
 
+// Dynamic shared memory a launch gets without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+constexpr int64_t kDefaultDynamicSharedBytes = 48 * 1024;
+
 // The check every launcher makes on its grid size: at least one CTA, and no more than the rank's cap
 // (a grid larger than what stays resident would deadlock in its grid syncs and cross-rank spins).
 inline void check_grid_size(const DeviceView& view, const char* name, int num_ctas) {

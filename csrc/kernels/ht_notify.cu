@@ -25,7 +25,6 @@ namespace deep_ep::ht {
 namespace {
 
 constexpr int kNotifyThreads = 256;
-constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
 
@@ -283,7 +282,7 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   const size_t smem = notify_smem_bytes(args.num_experts, num_ranks);
   // Up to 48 KiB of dynamic shared memory needs no opt-in; the attribute call costs host time on
   // every launch, so it is made only for the large-E shapes that need it.
-  if (smem > kDefaultDynamicSharedBytes) {
+  if (static_cast<int64_t>(smem) > kDefaultDynamicSharedBytes) {
     EP_CUDA_CHECK(
         cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }

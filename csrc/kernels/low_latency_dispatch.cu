@@ -256,7 +256,7 @@ void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaSt
                       : static_cast<int>(std::min<int64_t>(kSendWarps, (budget - routing_bytes) / list_bytes));
   const int64_t shared_bytes = routing_bytes + experts_per_round * list_bytes;
   const auto kernel = args.use_fp8 ? dispatch_send_kernel<true> : dispatch_send_kernel<false>;
-  if (shared_bytes > 48 * 1024) {
+  if (shared_bytes > kDefaultDynamicSharedBytes) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
   }
   const int grid = std::clamp(args.num_sms, 1, args.num_experts);
