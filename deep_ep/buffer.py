@@ -27,10 +27,12 @@ from deep_ep.topology import (
     RankFacts,
     build_topology,
     choose_backend,
+    choose_scaleout_transport,
     emulated_ranks_per_node,
     gpu_is_shared,
     mps_is_running,
     requested_backend,
+    requested_scaleout_transport,
     sm_cap,
 )
 
@@ -205,6 +207,19 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.scaleout_rank_idx = topology.scaleout_rank_idx(self.rank_idx)
         self.scaleup_rank_idx = topology.scaleup_rank_idx(self.rank_idx)
         self.backend = choose_backend(backend, gpu_is_shared(all_facts))
+        if topology.spans_hosts and num_max_dispatch_tokens_per_rank > 0:
+            raise ValueError(
+                "low-latency mode needs every rank load/store reachable, but the ranks span several hosts "
+                f"(num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}); build an HT-only buffer "
+                "(num_max_dispatch_tokens_per_rank=0) there: LL over the scale-out transport is not implemented"
+            )
+        # HT mode follows from the topology: hybrid when allowed and there is more than one node.
+        self.ht_mode = "hybrid" if topology.num_scaleout_ranks > 1 else "direct"
+        self.scaleout_transport = (
+            choose_scaleout_transport(topology.spans_hosts, settings["scaleout_transport"], backend=self.backend)
+            if self.ht_mode == "hybrid"
+            else None
+        )
         self._max_num_sms = sm_cap(properties.multi_processor_count, topology.ranks_per_gpu)
         if topology.ranks_per_gpu > 1:
             global _warned_no_mps
@@ -285,6 +300,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "allow_hybrid_mode": allow_hybrid_mode,
             "backend": requested_backend(backend),
             "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
+            "scaleout_transport": requested_scaleout_transport(),
             "num_gpu_timeout_secs": float(num_gpu_timeout_secs),
             "num_cpu_timeout_secs": float(num_cpu_timeout_secs),
         }
@@ -373,6 +389,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 self.num_cpu_timeout_secs,
                 backend,
                 self._max_num_sms,
+                self.scaleout_transport or "lsa",
             )
 
         try:
@@ -490,9 +507,14 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         if value == _C.MAPPED_WAIT_DEVICE_ERROR:
             self._check_device_errors()
         if value in (_C.MAPPED_WAIT_TIMEOUT, _C.MAPPED_WAIT_DEVICE_ERROR):
+            what = (
+                f"timed out after {self.num_cpu_timeout_secs:g} s"
+                if value == _C.MAPPED_WAIT_TIMEOUT
+                else "ended on a device error whose record could not be read"
+            )
             self._failure = CommTimeoutError(
-                f"rank {self.rank_idx}: host wait for the dispatch counts timed out after "
-                f"{self.num_cpu_timeout_secs:g} s; the buffer refuses further work until destroy()",
+                f"rank {self.rank_idx}: host wait for the dispatch counts {what}; the buffer refuses further work "
+                "until destroy()",
                 rank=self.rank_idx,
                 operation="dispatch count exchange",
                 phase="host wait",

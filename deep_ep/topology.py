@@ -1,4 +1,4 @@
-"""Topology arithmetic for a buffer: physical and logical domains, GPU sharing, backend choice.
+"""Topology arithmetic for a buffer: physical and logical domains, GPU sharing, backend and scale-out choice.
 
 Pure functions over facts gathered from every rank, so they are unit-tested without a GPU.
 """
@@ -26,6 +26,7 @@ class Topology:
     num_scaleout_ranks: int  # logical
     num_scaleup_ranks: int  # logical
     ranks_per_gpu: int  # ranks of this host sharing this rank's GPU
+    spans_hosts: bool  # the ranks are on several hosts (then nodes are hosts and the mode is hybrid)
 
     def scaleout_rank_idx(self, rank: int) -> int:
         return rank // self.num_scaleup_ranks
@@ -70,14 +71,29 @@ def ranks_per_host(hosts: list[str]) -> int:
 def build_topology(
     facts: list[RankFacts], rank: int, *, num_ranks_per_node: int | None, allow_hybrid_mode: bool
 ) -> Topology:
+    """Domains of the group as seen by ``rank``.
+
+    On one host a node is ``num_ranks_per_node`` (else env ``EP_EMULATE_RANKS_PER_NODE``, else the
+    whole host) consecutive ranks. Ranks on several hosts need hybrid mode (``allow_hybrid_mode``):
+    only the ranks of one host reach each other by load/store, so a node is exactly a host, and
+    the node size, if given, must equal the ranks per host.
+    """
     num_ranks = len(facts)
     per_host = ranks_per_host([fact.host for fact in facts])
-    if per_host != num_ranks:
-        raise NotImplementedError(
-            f"the ranks span {num_ranks // per_host} hosts; scale-out between hosts (NCCL GIN) is not implemented "
-            f"yet: every rank must be on one host (use num_ranks_per_node= to emulate nodes on one host)"
-        )
+    num_hosts = num_ranks // per_host
+    spans_hosts = num_hosts > 1
     node_size = emulated_ranks_per_node(num_ranks_per_node)
+    if spans_hosts:
+        if not allow_hybrid_mode:
+            raise ValueError(
+                f"the ranks span {num_hosts} hosts, which needs hybrid mode: direct mode (allow_hybrid_mode=False) "
+                f"needs every rank load/store reachable from every other, i.e. all ranks on one host"
+            )
+        if node_size is not None and node_size != per_host:
+            raise ValueError(
+                f"the ranks span {num_hosts} hosts of {per_host} ranks, so a node is a host: num_ranks_per_node "
+                f"(or EP_EMULATE_RANKS_PER_NODE) must be {per_host} or unset, got {node_size}"
+            )
     if node_size is None:
         node_size = per_host
     if node_size < 1 or num_ranks % node_size != 0:
@@ -93,7 +109,52 @@ def build_topology(
         num_scaleout_ranks=num_nodes if hybrid else 1,
         num_scaleup_ranks=node_size if hybrid else num_ranks,
         ranks_per_gpu=ranks_per_gpu,
+        spans_hosts=spans_hosts,
     )
+
+
+SCALEOUT_TRANSPORTS = ("lsa", "lsa-deferred", "gin")
+
+
+def requested_scaleout_transport() -> str | None:
+    """Env ``EP_SCALEOUT_TRANSPORT``, stripped; None when unset or empty (automatic choice)."""
+    value = os.environ.get("EP_SCALEOUT_TRANSPORT", "").strip()
+    return value or None
+
+
+def choose_scaleout_transport(spans_hosts: bool, requested: str | None, *, backend: str) -> str:
+    """How hybrid mode moves bytes between nodes: 'lsa', 'lsa-deferred' or 'gin'.
+
+    ``requested`` (env ``EP_SCALEOUT_TRANSPORT``) None, empty or 'auto' chooses: 'gin' (NCCL
+    GPU-initiated networking) when the ranks span hosts, else 'lsa' (load/store between the virtual
+    nodes of one host). 'lsa' and 'lsa-deferred' need every rank load/store reachable, so they are
+    refused on several hosts. 'gin' works on an NCCL window only, so it needs ``backend`` 'nccl'
+    (on one host too, where NCCL loops the traffic through the host's RDMA NIC).
+    """
+    if backend not in ("nccl", "ipc"):
+        raise ValueError(f"backend must be 'nccl' or 'ipc' when choosing the scale-out transport, got {backend!r}")
+    if requested is not None:
+        requested = requested.strip()
+    if not requested or requested == "auto":
+        choice = "gin" if spans_hosts else "lsa"
+    elif requested in SCALEOUT_TRANSPORTS:
+        choice = requested
+    else:
+        raise ValueError(
+            f"EP_SCALEOUT_TRANSPORT must be one of 'lsa', 'lsa-deferred', 'gin' (or unset / 'auto' for the automatic "
+            f"choice), got {requested!r}"
+        )
+    if spans_hosts and choice != "gin":
+        raise ValueError(
+            f"scale-out transport {choice!r} needs every rank load/store reachable, but the ranks span several "
+            f"hosts; use 'gin' (or leave EP_SCALEOUT_TRANSPORT unset)"
+        )
+    if choice == "gin" and backend != "nccl":
+        where = "ranks on several hosts need" if spans_hosts else "scale-out transport 'gin' needs"
+        raise ValueError(
+            f"{where} NCCL GPU-initiated networking (gin), which works on backend 'nccl' only, got backend {backend!r}"
+        )
+    return choice
 
 
 def gpu_is_shared(facts: list[RankFacts]) -> bool:

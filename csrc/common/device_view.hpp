@@ -14,6 +14,19 @@ namespace deep_ep {
 // Host-mapped int32 cells the kernels write for the host (received counts for the CPU sync).
 constexpr int kNumMappedCounters = kMaxRanks + kMaxExperts + 64;
 
+// How this rank reaches ranks of other nodes in hybrid mode (kernels/scaleout.cuh).
+enum class ScaleoutKind : int32_t {
+  kLsa = 0,          // stores through the peer table, release-add on the peer's signal cell
+  kLsaDeferred = 1,  // tests: a put's bytes land only at a covering signal or flush (RDMA-like ordering)
+  kGin = 2,          // NCCL GPU-initiated networking (ranks on other hosts)
+};
+
+struct ScaleoutView {
+  ScaleoutKind kind = ScaleoutKind::kLsa;
+  const void* gin_dev_comm = nullptr;  // gin: device copy of the ncclDevComm
+  void* gin_window = nullptr;          // gin: the window's ncclWindow_t
+};
+
 struct DeviceView {
   int32_t rank = 0;
   int32_t num_ranks = 1;
@@ -22,6 +35,7 @@ struct DeviceView {
   uint8_t* const* peer_bases = nullptr;  // device array [num_ranks]: window base of rank p as this GPU sees it
   ErrorRecord* error = nullptr;          // host-mapped, device pointer
   uint64_t timeout_ns = 0;               // deadline of every device spin-wait
+  ScaleoutView scaleout;                 // hybrid mode's transport to other nodes
 
 #if defined(__CUDACC__)
   // Byte `offset` of this rank's window.

@@ -34,6 +34,14 @@ const char* phase_name(int32_t phase) {
       return "data arrival";
     case Phase::kGridSync:
       return "grid synchronisation";
+    case Phase::kScaleoutCountsArrive:
+      return "scale-out counts arrival";
+    case Phase::kScaleoutRowsArrive:
+      return "scale-out row arrival (forwarder)";
+    case Phase::kPartialsArrive:
+      return "node partial arrival";
+    case Phase::kScaleoutBarrier:
+      return "scale-out barrier";
   }
   return "unknown phase";
 }

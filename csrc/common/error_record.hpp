@@ -32,6 +32,11 @@ enum class Phase : int32_t {
   kCountsArrive = 2,   // waiting for a peer's token counts
   kDataArrive = 3,     // waiting for a peer's "data written" flag
   kGridSync = 4,       // waiting for the other CTAs of this rank's kernel
+  // Hybrid mode, over the scale-out transport (peer = the global rank of the rail peer):
+  kScaleoutCountsArrive = 5,  // notify: a rail peer's per-node counts
+  kScaleoutRowsArrive = 6,    // dispatch forwarder: a rail peer's token rows
+  kPartialsArrive = 7,        // combine: a node's partial sums at the home rank
+  kScaleoutBarrier = 8,       // a rail peer's barrier signal
 };
 
 // What was wrong with a routing entry.

@@ -81,24 +81,43 @@ struct Topology {
   EP_HOST_DEVICE constexpr bool is_hybrid() const { return num_scaleout_ranks() > 1; }
 };
 
+// Scale-out row of hybrid dispatch: the dispatch slot followed by K int32 destination slots (the
+// slot at the expert's rank on the first top-k entry of that rank, else -1), so the forwarder
+// copies the slot prefix unchanged into the final receive slots.
+EP_HOST_DEVICE constexpr int64_t scaleout_row_bytes(int hidden, bool use_fp8, int num_topk) {
+  return dispatch_token_layout(hidden, use_fp8, num_topk).bytes + align_up(int64_t{num_topk} * 4, kSlotAlignBytes);
+}
+
 // HT receive areas for one call shape. Dispatch and combine start at the same offset of the HT
-// region: every HT kernel begins with a cross-rank barrier, so no peer still reads what the next
-// operation overwrites.
+// region: every HT operation begins with a cross-rank barrier, so no peer still reads what the
+// next operation overwrites.
 struct HighThroughputLayout {
   TokenLayout dispatch_token;
   TokenLayout combine_token;
   int64_t num_max_tokens_per_rank = 0;
-  // Direct: dispatch rows [source rank][T_max]; combine rows [j][T_max] where j is the rank of the
-  // sender among the distinct destination ranks of the token (ascending), so j < min(R, K).
+  // Final dispatch receive slots, both modes: rows [source rank][T_max], the row of a token being
+  // its ordinal among the source's tokens for this rank.
   int64_t dispatch_recv_offset = 0;
   int64_t dispatch_recv_bytes = 0;
+  // Direct combine: rows [j][T_max], j = index of the sender among the token's distinct
+  // destination ranks (ascending), so j < min(R, K). Hybrid: the forwarder's rows
+  // [j][source node][T_max], j = index of the sender among the token's destination ranks on its node.
   int64_t combine_recv_offset = 0;
   int64_t combine_recv_bytes = 0;
-  // Hybrid: scale-out hop lands in scaleout_recv, is forwarded into scaleup_recv.
+  // Hybrid dispatch: staging (one scale-out row per own token) and the rows arriving from every
+  // source node's rail peer [source node][T_max] (slot = ordinal among that source's tokens for
+  // this node).
+  int64_t scaleout_row_bytes = 0;
   int64_t scaleout_send_offset = 0;
   int64_t scaleout_send_bytes = 0;
   int64_t scaleout_recv_offset = 0;
   int64_t scaleout_recv_bytes = 0;
+  // Hybrid combine: the forwarder's node partials staged [source node][T_max] and put to the home
+  // rank's rows [node index][T_max] (index of the node among the token's nodes, ascending).
+  int64_t combine_send_offset = 0;
+  int64_t combine_send_bytes = 0;
+  int64_t combine_partial_offset = 0;
+  int64_t combine_partial_bytes = 0;
   int64_t dispatch_bytes = 0;  // whole dispatch footprint
   int64_t combine_bytes = 0;   // whole combine footprint
   int64_t region_bytes = 0;    // max of the two, 2 MiB aligned
@@ -123,21 +142,19 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
   } else {
     const int64_t scaleout = topology.num_scaleout_ranks();
     const int64_t scaleup = topology.num_scaleup_ranks;
-    // Dispatch: send staging (one row per token), one row per (source node, token) arriving over
-    // scale-out, and forwarded rows [scale-up source][scale-out source][T_max].
-    layout.scaleout_send_bytes = tokens * d;
+    layout.scaleout_row_bytes = deep_ep::scaleout_row_bytes(hidden, use_fp8, num_topk);
+    layout.scaleout_send_bytes = tokens * layout.scaleout_row_bytes;
     layout.scaleout_recv_offset = layout.scaleout_send_bytes;
-    layout.scaleout_recv_bytes = scaleout * tokens * d;
+    layout.scaleout_recv_bytes = scaleout * tokens * layout.scaleout_row_bytes;
     layout.dispatch_recv_offset = layout.scaleout_recv_offset + layout.scaleout_recv_bytes;
-    layout.dispatch_recv_bytes = scaleup * scaleout * tokens * d;
+    layout.dispatch_recv_bytes = num_ranks * tokens * d;
     layout.dispatch_bytes = layout.dispatch_recv_offset + layout.dispatch_recv_bytes;
-    // Combine mirrors it: node-level partial sums travel back once per (node, token).
-    const int64_t combine_scaleup = min_of(scaleup, num_topk) * scaleout * tokens * c;
-    const int64_t combine_scaleout = min_of(scaleout, num_topk) * tokens * c;
-    const int64_t combine_send = scaleout * tokens * c;
-    layout.combine_recv_offset = 0;
-    layout.combine_recv_bytes = combine_scaleup;
-    layout.combine_bytes = combine_scaleup + combine_scaleout + combine_send;
+    layout.combine_recv_bytes = min_of(scaleup, num_topk) * scaleout * tokens * c;
+    layout.combine_send_offset = layout.combine_recv_bytes;
+    layout.combine_send_bytes = scaleout * tokens * c;
+    layout.combine_partial_offset = layout.combine_send_offset + layout.combine_send_bytes;
+    layout.combine_partial_bytes = min_of(scaleout, num_topk) * tokens * c;
+    layout.combine_bytes = layout.combine_partial_offset + layout.combine_partial_bytes;
   }
   layout.region_bytes = align_up(max_of(layout.dispatch_bytes, layout.combine_bytes), kWindowAlignBytes);
   return layout;
@@ -203,6 +220,22 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
   return layout;
 }
 
+// Scale-out signals (hybrid mode). Signal ids are per receiving rank; every signal is monotonic
+// (never reset): a receiver waits for "its shadow + what it expects" and then advances its shadow.
+constexpr int kMaxNodes = 128;
+constexpr int kMaxChannels = 64;                // hybrid dispatch streams per (source node): token ranges of the sender
+constexpr int kSignalBarrier = 0;               // + source node: rail barrier arrivals
+constexpr int kSignalNotify = kMaxNodes;        // + source node: notify counts message landed
+constexpr int kSignalPartials = 2 * kMaxNodes;  // + source node: combine partial rows landed (row count)
+constexpr int kSignalRows = 3 * kMaxNodes;      // + source node * channels + channel: dispatch rows landed
+constexpr int kMaxScaleoutSignals = kSignalRows + kMaxNodes * kMaxChannels;
+// Hybrid notify message to one node: [S rank counts][S * L expert counts][channels + 1 row prefix];
+// the messages to all nodes together hold R + E + N * (channels + 1) ints, each padded to 16 bytes.
+constexpr int64_t kMaxNotifyMessageInts = kMaxRanks + kMaxExperts + int64_t{kMaxNodes} * (kMaxChannels + 4);
+EP_HOST_DEVICE constexpr int64_t notify_message_ints(int num_scaleup_ranks, int num_local_experts, int num_channels) {
+  return num_scaleup_ranks + int64_t{num_scaleup_ranks} * num_local_experts + num_channels + 1;
+}
+
 // Workspace at the start of the window: fixed positions, independent of the call shape.
 //   barrier cells   int64 [kMaxRanks]: peer p writes its barrier epoch into cell p (monotonic, never reset)
 //   rank counts     int32 [kMaxRanks]: HT notify, tokens from source p, count+1 (reset to 0 after use)
@@ -211,6 +244,9 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
 //   scratch         int32 [kNumScratchInts]: per-kernel local scratch (reset to 0 after use)
 //   grid generation int32 [kNumGridCounters]: grid-sync generations (monotonic, never reset)
 //   barrier epoch   int64: this rank's last barrier epoch (local only, monotonic)
+//   scale-out signals uint64 [kMaxScaleoutSignals]: the lsa transport's signal cells (monotonic)
+//   signal shadows  uint64 [kMaxScaleoutSignals]: what this rank has consumed of each signal (local)
+//   notify messages int32, send and receive: hybrid notify's per-node counts (scale-out transport)
 struct WorkspaceLayout {
   static constexpr int kNumGridCounters = 64;
   static constexpr int kNumScratchInts = 4 * kMaxRanks;
@@ -227,7 +263,11 @@ struct WorkspaceLayout {
   // Everything in [zero_invariant_begin, zero_invariant_end) must be zero whenever no kernel runs.
   static constexpr int64_t zero_invariant_begin = rank_counts_offset;
   static constexpr int64_t zero_invariant_end = grid_generations_offset;
-  static constexpr int64_t used_bytes = barrier_epoch_offset + 8;
+  static constexpr int64_t scaleout_signals_offset = align_up(barrier_epoch_offset + 8, kSlotAlignBytes);
+  static constexpr int64_t scaleout_shadows_offset = scaleout_signals_offset + int64_t{kMaxScaleoutSignals} * 8;
+  static constexpr int64_t notify_send_offset = scaleout_shadows_offset + int64_t{kMaxScaleoutSignals} * 8;
+  static constexpr int64_t notify_recv_offset = notify_send_offset + kMaxNotifyMessageInts * 4;
+  static constexpr int64_t used_bytes = notify_recv_offset + kMaxNotifyMessageInts * 4;
   static constexpr int64_t bytes = align_up(used_bytes, kWindowAlignBytes);
 };
 

@@ -29,9 +29,10 @@
 namespace deep_ep {
 
 // Called by threads of one CTA before the release that publishes this rank's arrival.
+// Peers this rank cannot reach by load/store (other hosts, gin) are skipped.
 __device__ __forceinline__ void announce_input_failed(const DeviceView& view) {
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
-    if (peer != view.rank) {
+    if (peer != view.rank && view.peer_bases[peer] != nullptr) {
       ptx::st_relaxed_sys(view.peer<int32_t>(peer, WorkspaceLayout::input_failed_offset + int64_t{view.rank} * 4), 1);
     }
   }
@@ -50,7 +51,10 @@ __device__ __forceinline__ void collect_input_failed(const DeviceView& view, Ope
 
 // Called by every thread of one CTA. Everything this rank wrote before the call (ordered before it
 // by __syncthreads / grid_sync) is visible to every peer after it. Returns false on timeout.
-__device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation operation, bool input_failed = false) {
+// The peers are ranks [first, first + count), this rank among them; every rank of the group runs
+// the same sequence of barriers (of any peer set), so one epoch counter serves them all.
+__device__ __forceinline__ bool group_barrier(const DeviceView& view, Operation operation, int first, int count,
+                                              bool input_failed = false) {
   __shared__ int64_t epoch_shared;
   __shared__ int failed_shared;
   int64_t* epoch_cell = view.local<int64_t>(WorkspaceLayout::barrier_epoch_offset);
@@ -61,12 +65,12 @@ __device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation o
   if (input_failed) announce_input_failed(view);
   __syncthreads();
   const int64_t epoch = epoch_shared;
-  for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+  for (int peer = first + threadIdx.x; peer < first + count; peer += blockDim.x) {
     // Release at system scope: cumulative over this CTA's writes ordered by the __syncthreads above.
     ptx::st_release_sys(view.peer<int64_t>(peer, WorkspaceLayout::barrier_cells_offset + int64_t{view.rank} * 8),
                         epoch);
   }
-  for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+  for (int peer = first + threadIdx.x; peer < first + count; peer += blockDim.x) {
     const int64_t* cell = view.local<int64_t>(WorkspaceLayout::barrier_cells_offset + int64_t{peer} * 8);
     const bool arrived = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch, [&](int64_t& seen) {
       seen = ptx::ld_acquire_sys(cell);
@@ -83,6 +87,10 @@ __device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation o
   const bool ok = failed_shared == 0;
   __syncthreads();
   return ok;
+}
+
+__device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation operation, bool input_failed = false) {
+  return group_barrier(view, operation, 0, view.num_ranks, input_failed);
 }
 
 // Called by every thread of every CTA of the grid, `slot` < WorkspaceLayout::kNumGridCounters and

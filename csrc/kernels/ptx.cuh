@@ -21,6 +21,12 @@ __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
   return value;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
   int32_t value;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
@@ -47,6 +53,10 @@ __device__ __forceinline__ void st_relaxed_sys(int32_t* ptr, int32_t value) {
 
 __device__ __forceinline__ void red_add_release_sys(int32_t* ptr, int32_t value) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
 // Returns the previous value; acq_rel at gpu scope: used for "last CTA to arrive" detection.

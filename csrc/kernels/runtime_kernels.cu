@@ -1,14 +1,16 @@
 #include "common/cuda_check.hpp"
-#include "kernels/barrier.cuh"
 #include "kernels/runtime_kernels.hpp"
+#include "kernels/topology_barrier.cuh"
 
 namespace deep_ep {
 namespace {
 
 constexpr int kBarrierThreads = 128;
 
+// The buffer's barrier (ElasticBuffer.barrier, destroy): across nodes through the scale-out
+// transport, so it also serves ranks on other hosts.
 __global__ void __launch_bounds__(kBarrierThreads, 1) rank_barrier_kernel(DeviceView view) {
-  rank_barrier(view, Operation::kBarrier);
+  topology_barrier(view, Operation::kBarrier);
 }
 
 __global__ void query_lsa_pointers_kernel(ncclWindow_t window, int lsa_size, uint8_t** out) {

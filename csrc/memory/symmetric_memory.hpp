@@ -56,15 +56,24 @@ class CudaIpcMemory final : public SymmetricMemory {
   std::vector<uint8_t*> peer_bases_;
 };
 
-// NCCL: the library's own communicator, ncclMemAlloc + ncclCommWindowRegister, an LSA-only
-// ncclDevComm (proves symmetric support), peer pointers from ncclGetLsaPointer.
+// NCCL: the library's own communicator, ncclMemAlloc + ncclCommWindowRegister, an ncclDevComm
+// (its creation proves symmetric support), peer pointers from ncclGetLsaPointer.
+//
+// With `gin` (the gin scale-out transport: the ranks may span hosts) the devComm also carries
+// NCCL's GPU-initiated networking: kMaxScaleoutSignals GIN signals, the contexts NCCL gives, and a
+// device copy of the devComm for kernels (gin_dev_comm()). Only then are GIN resources requested:
+// asking for GIN signals on a communicator without GIN support breaks the communicator (2.28.9).
+// The LSA (load/store) team may then be smaller than the world: peer_bases()[r] is nullptr for
+// every rank r outside this rank's LSA team (another host), and kernels must reach those ranks
+// only through the scale-out transport (kernels/scaleout.cuh), never through the peer table.
+// Without `gin` every rank must be in the LSA team.
 class NcclWindowMemory final : public SymmetricMemory {
  public:
-  NcclWindowMemory(int rank, int num_ranks, int64_t bytes);
+  NcclWindowMemory(int rank, int num_ranks, int64_t bytes, bool gin = false);
   ~NcclWindowMemory() override;
   static std::string create_unique_id();
-  // Bootstrap steps (see Runtime): communicator (collective), window memory (local), registration
-  // and peer pointers (collective).
+  // Bootstrap steps (see Runtime): communicator (collective), window memory (local), registration,
+  // devComm and peer pointers (collective).
   void connect(const std::string& unique_id);
   void allocate();
   void register_window();
@@ -72,12 +81,20 @@ class NcclWindowMemory final : public SymmetricMemory {
   const std::vector<uint8_t*>& peer_bases() const override { return peer_bases_; }
   int64_t bytes() const override { return bytes_; }
   void release() override;
+  // gin only, after register_window() (nullptr otherwise): device address of the ncclDevComm
+  // copy, and the window's ncclWindow_t (a device pointer), as DeviceView::scaleout wants them.
+  const void* gin_dev_comm() const;
+  void* gin_window() const;
+  // Ranks of this rank's LSA team (valid after connect()).
+  int lsa_size() const { return lsa_size_; }
 
  private:
   struct State;
   int rank_;
   int num_ranks_;
   int64_t bytes_;
+  bool gin_;
+  int lsa_size_ = 0;
   std::unique_ptr<State> state_;
   std::vector<uint8_t*> peer_bases_;
 };

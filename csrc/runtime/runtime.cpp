@@ -12,6 +12,13 @@
 
 namespace deep_ep {
 
+ScaleoutKind parse_scaleout_kind(const std::string& name) {
+  if (name == "lsa") return ScaleoutKind::kLsa;
+  if (name == "lsa-deferred") return ScaleoutKind::kLsaDeferred;
+  if (name == "gin") return ScaleoutKind::kGin;
+  throw std::invalid_argument("scale-out transport must be 'lsa', 'lsa-deferred' or 'gin', got '" + name + "'");
+}
+
 Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   if (config.num_ranks < 1 || config.num_ranks > kMaxRanks) {
     throw std::invalid_argument("num_ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
@@ -27,6 +34,13 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   }
   if (config.max_num_sms < 1) {
     throw std::invalid_argument("max_num_sms must be >= 1, got " + std::to_string(config.max_num_sms));
+  }
+  if (config.scaleout == ScaleoutKind::kGin && config.backend != BackendKind::kNccl) {
+    throw std::invalid_argument("the 'gin' scale-out transport needs backend 'nccl' (GIN works on an NCCL window)");
+  }
+  if (config.num_scaleup_ranks < 1 || config.num_ranks % config.num_scaleup_ranks != 0) {
+    throw std::invalid_argument("num_scaleup_ranks must divide num_ranks " + std::to_string(config.num_ranks) +
+                                ", got " + std::to_string(config.num_scaleup_ranks));
   }
   if (!(config.gpu_timeout_secs > 0.0) || !(config.cpu_timeout_secs > 0.0)) {
     throw std::invalid_argument("timeouts must be positive, got gpu " + std::to_string(config.gpu_timeout_secs) +
@@ -58,7 +72,8 @@ void Runtime::create_resources() {
   if (config_.backend == BackendKind::kIpc) {
     memory_ = std::make_unique<CudaIpcMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
   } else {
-    memory_ = std::make_unique<NcclWindowMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
+    memory_ = std::make_unique<NcclWindowMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes,
+                                                 config_.scaleout == ScaleoutKind::kGin);
   }
 }
 
@@ -100,7 +115,23 @@ void Runtime::allocate_nccl_window() { nccl_memory().allocate(); }
 void Runtime::register_nccl_window() {
   NcclWindowMemory& nccl = nccl_memory();
   nccl.register_window();
-  finish_connect(nccl.peer_bases());
+  const std::vector<uint8_t*>& bases = nccl.peer_bases();
+  if (config_.scaleout == ScaleoutKind::kGin) {
+    // Ranks of other hosts have no peer pointer (kernels reach them through the transport only);
+    // the ranks of this rank's node must all be load/store reachable.
+    const int first = config_.rank / config_.num_scaleup_ranks * config_.num_scaleup_ranks;
+    for (int peer = first; peer < first + config_.num_scaleup_ranks; ++peer) {
+      if (bases[peer] == nullptr) {
+        throw std::runtime_error("rank " + std::to_string(peer) + " is in this rank's node of " +
+                                 std::to_string(config_.num_scaleup_ranks) +
+                                 " ranks but not in its load/store (LSA) team of " + std::to_string(nccl.lsa_size()) +
+                                 " ranks: a node must not span hosts");
+      }
+    }
+    view_.scaleout.gin_dev_comm = nccl.gin_dev_comm();
+    view_.scaleout.gin_window = nccl.gin_window();
+  }
+  finish_connect(bases);
 }
 
 void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
@@ -114,6 +145,7 @@ void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
   view_.peer_bases = peer_table_device_;
   view_.error = error_device_;
   view_.timeout_ns = static_cast<uint64_t>(config_.gpu_timeout_secs * 1e9);
+  view_.scaleout.kind = config_.scaleout;
   connected_ = true;
 }
 
@@ -140,6 +172,10 @@ uint8_t* Runtime::peer_base(int rank) const {
 void Runtime::copy_into_window(int rank, int64_t offset, const void* src, int64_t num_bytes,
                                cudaStream_t stream) const {
   uint8_t* base = peer_base(rank);
+  if (base == nullptr) {
+    throw std::invalid_argument("copy into window: rank " + std::to_string(rank) +
+                                " is not load/store reachable from this rank (another host, gin transport)");
+  }
   const int64_t total = config_.window.total_bytes;
   if (offset < 0 || num_bytes < 0 || offset > total || num_bytes > total - offset) {
     throw std::invalid_argument("copy into window: [offset, offset + num_bytes) = [" + std::to_string(offset) + ", " +
@@ -230,7 +266,9 @@ int32_t Runtime::wait_mapped_counter(int index) const {
       return value;
     }
     if ((spin & 1023) == 0) {
-      if (static_cast<volatile ErrorRecord*>(error_host_)->status != 0) return kMappedWaitDeviceError;
+      // Only a complete record (status > 0): -1 means a kernel is still writing it, and the caller
+      // raises from the record's fields (peer, phase), which are valid only once status is set.
+      if (static_cast<volatile ErrorRecord*>(error_host_)->status > 0) return kMappedWaitDeviceError;
       if (std::chrono::steady_clock::now() > deadline) return kMappedWaitTimeout;
       if (spin > (1u << 20)) std::this_thread::yield();
     }
@@ -257,6 +295,8 @@ void Runtime::destroy() {
   destroyed_ = true;
   connected_ = false;
   cudaSetDevice(config_.device);
+  view_.scaleout.gin_dev_comm = nullptr;  // freed with the NCCL window's state
+  view_.scaleout.gin_window = nullptr;
   if (memory_) memory_->release();
   memory_.reset();
   if (peer_table_device_ != nullptr) cudaFree(peer_table_device_);

@@ -9,6 +9,9 @@
 //   ipc:  ipc_handle() -> connect_ipc(all handles)
 //   nccl: connect_nccl(unique id from rank 0)  [collective]  -> allocate_nccl_window()  [local]
 //         -> register_nccl_window()  [collective]
+// With the gin scale-out transport (RuntimeConfig::scaleout, nccl only) register_nccl_window() also
+// sets up NCCL GIN and fills DeviceView::scaleout; ranks on other hosts then have no peer base
+// (peer_base() returns nullptr): kernels reach them only through kernels/scaleout.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,7 +40,12 @@ struct RuntimeConfig {
   // CTAs a communication kernel of this rank may launch: every CTA of a grid must be resident at
   // once (grid syncs, cross-rank spins), so ranks sharing a GPU split its SMs. Launchers check it.
   int max_num_sms = 1;
+  // How hybrid mode reaches the ranks of other nodes (gin: they are on other hosts).
+  ScaleoutKind scaleout = ScaleoutKind::kLsa;
 };
+
+// "lsa" | "lsa-deferred" | "gin"; std::invalid_argument otherwise.
+ScaleoutKind parse_scaleout_kind(const std::string& name);
 
 class Runtime {
  public:
@@ -62,7 +70,8 @@ class Runtime {
   // Requires connected(); throws std::logic_error otherwise (or after destroy()).
   const DeviceView& device_view() const;
 
-  // Window base of this rank / of `rank`, as device addresses valid in this process.
+  // Window base of this rank / of `rank`, as device addresses valid in this process (nullptr for a
+  // rank outside this rank's load/store team: another host, gin transport).
   uint8_t* local_base() const;
   uint8_t* peer_base(int rank) const;
   // Stream-ordered copy of `num_bytes` from device memory `src` into `rank`'s window at `offset`

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/geometry.hpp"
+#include "common/ht_call.hpp"
 #include "common/sizing.hpp"
 
 namespace deep_ep {
@@ -54,11 +55,42 @@ TEST(HighThroughput, DirectRegionsAreRowsPerSourceAndPerDistinctRank) {
 TEST(HighThroughput, HybridAddsScaleoutStagingAndForwardedRows) {
   const HighThroughputLayout layout = high_throughput_layout(Topology{16, 8}, 1024, 2048, 8, true);
   const int64_t d = dispatch_token_layout(2048, true, 8).bytes;
-  EXPECT_EQ(layout.scaleout_send_bytes, 1024 * d);
-  EXPECT_EQ(layout.scaleout_recv_bytes, 2 * 1024 * d);
-  EXPECT_EQ(layout.dispatch_recv_bytes, 8 * 2 * 1024 * d);
-  EXPECT_EQ(layout.dispatch_bytes, (1 + 2 + 16) * 1024 * d);
+  const int64_t s = d + 32;  // the row plus K = 8 int32 destination slots, 32-byte aligned
+  EXPECT_EQ(scaleout_row_bytes(2048, true, 8), s);
+  EXPECT_EQ(layout.scaleout_send_bytes, 1024 * s);
+  EXPECT_EQ(layout.scaleout_recv_bytes, 2 * 1024 * s);
+  EXPECT_EQ(layout.dispatch_recv_bytes, 16 * 1024 * d);
+  EXPECT_EQ(layout.dispatch_bytes, (1 + 2) * 1024 * s + 16 * 1024 * d);
+  const int64_t c = combine_token_layout(2048, 8).bytes;
+  EXPECT_EQ(layout.combine_bytes, (8 * 2 + 2 + 2) * 1024 * c);  // rows [min(S,K)][N], send [N], partials [min(N,K)]
   EXPECT_EQ(layout.region_bytes % kWindowAlignBytes, 0);
+}
+
+TEST(HtCall, DirectAndHybridAddressesFollowTheLayout) {
+  const HtCall direct = make_ht_call(Topology{8, 8}, 4096, 64, 512, 4, 16, false);
+  const int64_t d = direct.dispatch_token().bytes;
+  const int64_t c = direct.combine_token().bytes;
+  EXPECT_FALSE(direct.hybrid());
+  EXPECT_EQ(direct.num_channels(), 0);
+  EXPECT_EQ(direct.dispatch_slot(3, 5), 4096 + (3 * 64 + 5) * d);
+  EXPECT_EQ(direct.combine_row_slot(2, 0, 7), 4096 + (2 * 64 + 7) * c);
+
+  const HtCall hybrid = make_ht_call(Topology{8, 4}, 4096, 64, 512, 4, 16, false);
+  const HighThroughputLayout& layout = hybrid.layout;
+  EXPECT_TRUE(hybrid.hybrid());
+  EXPECT_EQ(hybrid.num_nodes(), 2);
+  EXPECT_EQ(hybrid.rail_peer(1, 1), 5);
+  EXPECT_EQ(hybrid.rail_peer(6, 0), 2);
+  EXPECT_EQ(hybrid.num_channels(), 1);  // 64 tokens: one channel of 128
+  EXPECT_EQ(hybrid.dispatch_slot(3, 5), 4096 + layout.dispatch_recv_offset + (3 * 64 + 5) * d);
+  EXPECT_EQ(hybrid.scaleout_recv_slot(1, 9), 4096 + layout.scaleout_recv_offset + (64 + 9) * layout.scaleout_row_bytes);
+  EXPECT_EQ(hybrid.combine_row_slot(2, 1, 7), 4096 + ((2 * 2 + 1) * 64 + 7) * c);
+  EXPECT_EQ(hybrid.partial_slot(1, 3), 4096 + layout.combine_partial_offset + (64 + 3) * c);
+  // Every hybrid area stays inside its footprint.
+  EXPECT_LE(hybrid.scaleout_send_slot(63) + layout.scaleout_row_bytes - 4096, layout.scaleout_recv_offset);
+  EXPECT_LE(hybrid.dispatch_slot(7, 63) + d - 4096, layout.dispatch_bytes);
+  EXPECT_LE(hybrid.partial_slot(1, 63) + c - 4096, layout.combine_bytes);
+  EXPECT_EQ(make_ht_call(Topology{8, 4}, 0, 100000, 512, 4, 16, false).num_channels(), kMaxChannels);
 }
 
 TEST(LowLatency, PlannerExampleMessageAndReceiveSlots) {

@@ -1,4 +1,4 @@
-"""Topology arithmetic: domains, node emulation, GPU sharing, backend choice, SM cap."""
+"""Topology arithmetic: domains, node emulation, several hosts, GPU sharing, backend and scale-out choice, SM cap."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from deep_ep.topology import (
     RankFacts,
     build_topology,
     choose_backend,
+    choose_scaleout_transport,
     emulated_ranks_per_node,
     gpu_is_shared,
     ranks_per_host,
     requested_backend,
+    requested_scaleout_transport,
     sm_cap,
 )
 
@@ -27,6 +29,7 @@ def test_one_host_is_one_direct_domain():
     assert (topology.num_scaleout_ranks, topology.num_scaleup_ranks) == (1, 8)
     assert topology.ranks_per_gpu == 1
     assert (topology.scaleout_rank_idx(3), topology.scaleup_rank_idx(3)) == (0, 3)
+    assert not topology.spans_hosts
 
 
 def test_emulated_nodes_split_one_host_into_hybrid_domains():
@@ -36,6 +39,7 @@ def test_emulated_nodes_split_one_host_into_hybrid_domains():
     assert (topology.num_scaleout_ranks, topology.num_scaleup_ranks) == (4, 2)
     assert (topology.scaleout_rank_idx(5), topology.scaleup_rank_idx(5)) == (2, 1)
     assert topology.ranks_per_gpu == 8
+    assert not topology.spans_hosts
 
 
 def test_hybrid_disallowed_keeps_one_logical_domain():
@@ -68,10 +72,105 @@ def test_interleaved_hosts_are_rejected():
     assert ranks_per_host(["a", "a", "b", "b"]) == 2
 
 
-def test_several_hosts_need_scale_out_which_is_not_implemented():
-    facts = _facts(["a", "a", "b", "b"], ["g0", "g1", "g0", "g1"])
-    with pytest.raises(NotImplementedError, match="2 hosts"):
-        build_topology(facts, 0, num_ranks_per_node=None, allow_hybrid_mode=True)
+def _two_hosts() -> list[RankFacts]:
+    return _facts(["a"] * 4 + ["b"] * 4, [f"g{i}" for i in range(4)] * 2)
+
+
+def test_several_hosts_make_one_node_per_host():
+    for rank in range(8):
+        topology = build_topology(_two_hosts(), rank, num_ranks_per_node=None, allow_hybrid_mode=True)
+        assert topology.spans_hosts
+        assert (topology.num_rdma_ranks, topology.num_nvlink_ranks) == (2, 4)
+        assert (topology.num_scaleout_ranks, topology.num_scaleup_ranks) == (2, 4)
+        assert (topology.scaleout_rank_idx(rank), topology.scaleup_rank_idx(rank)) == (rank // 4, rank % 4)
+        assert topology.ranks_per_gpu == 1  # g0 of host a and g0 of host b are different GPUs
+
+
+def test_several_hosts_accept_a_node_size_equal_to_the_host():
+    topology = build_topology(_two_hosts(), 5, num_ranks_per_node=4, allow_hybrid_mode=True)
+    assert (topology.num_scaleout_ranks, topology.num_scaleup_ranks) == (2, 4)
+    assert topology.spans_hosts
+
+
+def test_several_hosts_one_rank_each():
+    facts = _facts(["a", "b", "c"], ["g0"] * 3)
+    topology = build_topology(facts, 2, num_ranks_per_node=None, allow_hybrid_mode=True)
+    assert (topology.num_scaleout_ranks, topology.num_scaleup_ranks) == (3, 1)
+    assert topology.spans_hosts
+
+
+@pytest.mark.parametrize("node_size", [1, 2, 8])
+def test_several_hosts_refuse_a_node_that_is_not_the_host(node_size):
+    with pytest.raises(ValueError, match=f"a node is a host: .* must be 4 or unset, got {node_size}"):
+        build_topology(_two_hosts(), 0, num_ranks_per_node=node_size, allow_hybrid_mode=True)
+
+
+def test_several_hosts_refuse_an_emulated_node_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EP_EMULATE_RANKS_PER_NODE", "2")
+    with pytest.raises(ValueError, match="EP_EMULATE_RANKS_PER_NODE.*got 2"):
+        build_topology(_two_hosts(), 0, num_ranks_per_node=None, allow_hybrid_mode=True)
+    monkeypatch.setenv("EP_EMULATE_RANKS_PER_NODE", "4")
+    topology = build_topology(_two_hosts(), 0, num_ranks_per_node=None, allow_hybrid_mode=True)
+    assert topology.num_scaleup_ranks == 4
+
+
+def test_several_hosts_refuse_direct_mode():
+    with pytest.raises(ValueError, match="span 2 hosts.*direct mode \\(allow_hybrid_mode=False\\)"):
+        build_topology(_two_hosts(), 0, num_ranks_per_node=None, allow_hybrid_mode=False)
+    with pytest.raises(ValueError, match="allow_hybrid_mode=False"):
+        build_topology(_two_hosts(), 0, num_ranks_per_node=4, allow_hybrid_mode=False)
+
+
+def test_scaleout_transport_automatic_choice():
+    for requested in (None, "", "  ", "auto"):
+        assert choose_scaleout_transport(True, requested, backend="nccl") == "gin"
+        assert choose_scaleout_transport(False, requested, backend="nccl") == "lsa"
+        assert choose_scaleout_transport(False, requested, backend="ipc") == "lsa"
+
+
+def test_scaleout_transport_explicit_on_one_host():
+    for backend in ("nccl", "ipc"):
+        assert choose_scaleout_transport(False, "lsa", backend=backend) == "lsa"
+        assert choose_scaleout_transport(False, "lsa-deferred", backend=backend) == "lsa-deferred"
+    assert choose_scaleout_transport(False, "gin", backend="nccl") == "gin"
+    assert choose_scaleout_transport(False, " gin ", backend="nccl") == "gin"
+    with pytest.raises(ValueError, match="'gin' needs NCCL GPU-initiated networking.*backend 'nccl' only.*'ipc'"):
+        choose_scaleout_transport(False, "gin", backend="ipc")
+
+
+def test_scaleout_transport_on_several_hosts():
+    assert choose_scaleout_transport(True, "gin", backend="nccl") == "gin"
+    for requested in ("lsa", "lsa-deferred"):
+        with pytest.raises(ValueError, match=f"'{requested}' needs every rank load/store reachable.*several hosts"):
+            choose_scaleout_transport(True, requested, backend="nccl")
+    for requested in (None, "gin"):
+        with pytest.raises(ValueError, match="ranks on several hosts need .*backend 'nccl' only, got backend 'ipc'"):
+            choose_scaleout_transport(True, requested, backend="ipc")
+
+
+@pytest.mark.parametrize("requested", ["nvshmem", "GIN", "lsa_deferred", "ibgda"])
+def test_scaleout_transport_unknown_names_are_refused(requested):
+    for spans_hosts in (False, True):
+        with pytest.raises(ValueError, match="must be one of 'lsa', 'lsa-deferred', 'gin'"):
+            choose_scaleout_transport(spans_hosts, requested, backend="nccl")
+
+
+def test_scaleout_transport_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be 'nccl' or 'ipc'"):
+        choose_scaleout_transport(False, None, backend="auto")
+
+
+def test_scaleout_transport_request_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("EP_SCALEOUT_TRANSPORT", raising=False)
+    assert requested_scaleout_transport() is None
+    monkeypatch.setenv("EP_SCALEOUT_TRANSPORT", "  ")
+    assert requested_scaleout_transport() is None
+    monkeypatch.setenv("EP_SCALEOUT_TRANSPORT", " lsa-deferred ")
+    assert requested_scaleout_transport() == "lsa-deferred"
+    assert choose_scaleout_transport(False, requested_scaleout_transport(), backend="ipc") == "lsa-deferred"
+    monkeypatch.setenv("EP_SCALEOUT_TRANSPORT", "bogus")
+    with pytest.raises(ValueError, match="got 'bogus'"):
+        choose_scaleout_transport(False, requested_scaleout_transport(), backend="nccl")
 
 
 def test_backend_choice_follows_gpu_sharing():
