@@ -49,6 +49,12 @@ class EPHandle:
         counts: the single allocation the views above live in (what the kernels read).
         owner_id: serial of the buffer whose dispatch made the handle; combine and cached dispatch
             refuse a handle of another buffer (its window layout and slots are not theirs).
+        hybrid_routing: hybrid mode only, one int32 allocation (layout: HybridRouting in
+            csrc/kernels/high_throughput.hpp): the token's row in the scale-out stream to each node
+            [T, N], own tokens per node [N], and, as forwarder, the rows kept from each rail peer
+            (per-channel prefix, source token, experts) for combine and cached dispatch.
+        num_nodes, home_node: node count and this rank's node (1 and 0 in direct mode).
+        scaleout_row_bytes: bytes of one token row on the scale-out leg (0 in direct mode).
     """
 
     do_expand: bool
@@ -76,23 +82,45 @@ class EPHandle:
     recv_expanded_row_idx: torch.Tensor | None
     counts: torch.Tensor
     owner_id: int = 0
+    hybrid_routing: torch.Tensor | None = None
+    num_nodes: int = 1
+    home_node: int = 0
+    scaleout_row_bytes: int = 0
 
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
 
     @property
+    def tokens_per_node(self) -> torch.Tensor | None:
+        """Hybrid mode: this rank's tokens holding an expert on each node [N] (device), else None."""
+        if self.hybrid_routing is None:
+            return None
+        start = self.num_tokens * self.num_nodes
+        return self.hybrid_routing.narrow(0, start, self.num_nodes)
+
+    @property
     def stats(self) -> dict[str, torch.Tensor]:
         """Load-balance observability (exact, on the device): tokens received per source rank [R]
-        and rows received per local expert [L] (unaligned)."""
-        return {
+        and rows received per local expert [L] (unaligned). Hybrid mode adds what this rank's
+        dispatch put on the scale-out leg: ``scaleout_copies`` (token copies: for each token, the
+        other nodes holding one of its experts) and ``scaleout_bytes`` (copies x row bytes)."""
+        stats = {
             "tokens_per_source_rank": self.num_recv_tokens_per_scaleup_rank,
             "tokens_per_local_expert": self.num_unaligned_recv_tokens_per_expert,
         }
+        per_node = self.tokens_per_node
+        if per_node is not None:
+            copies = per_node.sum(dtype=torch.int64) - per_node[self.home_node].to(torch.int64)
+            stats["scaleout_copies"] = copies
+            stats["scaleout_bytes"] = copies * self.scaleout_row_bytes
+        return stats
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every device tensor the handle owns (kept alive by events of operations that use them)."""
         owned = (self.topk_idx, self.recv_src_metadata, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
         if self.recv_expanded_row_idx is not None:
             owned += (self.recv_expanded_row_idx,)
+        if self.hybrid_routing is not None:
+            owned += (self.hybrid_routing,)
         return owned

@@ -1,10 +1,12 @@
-"""HighThroughputMixin: ElasticBuffer's high-throughput (HT) dispatch and combine, direct mode.
+"""HighThroughputMixin: ElasticBuffer's high-throughput (HT) dispatch and combine.
 
-Direct mode writes every token straight into the receive slot of each rank that holds one of its
-experts, so it needs every rank to be load/store reachable (one host: NVLink peers or ranks sharing
-a GPU). That is always the case today: a buffer built with emulated nodes
-(``num_ranks_per_node < num_ranks``) still uses the direct kernels for HT; the hybrid scale-out
-path is not implemented.
+The mode follows from the buffer's topology (``ht_mode``): *direct* writes every token straight into
+the receive slot of each rank that holds one of its experts (every rank load/store reachable);
+*hybrid* (several real or virtual nodes and ``allow_hybrid_mode``) sends a token once per other
+node, to the same-rail rank there, over the scale-out transport, and that rank forwards it inside
+its node. Both produce the same dispatch outputs bit for bit; hybrid combine sums per node first
+(docs/architecture.md). Every kernel receives the call shape as one ``_C.HtCall``, built once per
+shape and cached.
 
 Streams follow DeepEP: kernels run on the buffer's communication stream, which first waits for
 ``previous_event`` (or the caller's stream); outputs are allocated on the communication stream when
@@ -88,11 +90,6 @@ def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     if bounds != sorted(bounds) or bounds[0] != 0:
         raise AssertionError(f"counts layout is not packed in field order: {layout}")
     return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _scratch_ints(num_tokens: int, num_experts: int, num_ranks: int) -> int:
-    return _C.ht_notify_scratch_ints(num_tokens, num_experts, num_ranks)
 
 
 class _CommLaunch:
@@ -263,7 +260,7 @@ class HighThroughputMixin:
                 routing = topk_idx
             num_topk = routing.shape[1]
             self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
-            layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, num_topk, use_fp8)
+            layout = _ht_layout(self.num_ranks, self.num_scaleup_ranks, num_max_tokens, hidden, num_topk, use_fp8)
             self._check_fits(
                 "dispatch",
                 layout["dispatch_bytes"],
@@ -283,30 +280,27 @@ class HighThroughputMixin:
 
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
+        call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8)
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         if cached:
             new_handle = handle
         else:
-            new_handle = self._notify(
-                launch, routing, num_experts, num_max_tokens, expert_alignment, do_expand, do_cpu_sync, num_sms, device
-            )
+            new_handle = self._notify(launch, call, routing, expert_alignment, do_expand, do_cpu_sync, num_sms, device)
         _C.ht_dispatch(
             self._runtime,
-            num_max_tokens_per_rank=num_max_tokens,
-            hidden=hidden,
-            use_fp8=use_fp8,
-            num_topk=num_topk,
-            num_experts=num_experts,
-            num_tokens=num_tokens,
-            x=_pointer(data),
-            x_scales=_pointer(scales),
-            topk_idx=_pointer(new_handle.topk_idx),
-            topk_weights=_pointer(topk_weights),
-            dst_slot=_pointer(new_handle.dst_buffer_slot_idx),
-            expert_slot=_pointer(new_handle.expert_slot_idx),
-            entry_barrier=cached,
-            num_sms=num_sms,
-            stream=launch.stream,
+            call,
+            num_tokens,
+            _pointer(data),
+            _pointer(scales),
+            _pointer(new_handle.topk_idx),
+            _pointer(topk_weights),
+            _pointer(new_handle.dst_buffer_slot_idx),
+            _pointer(new_handle.expert_slot_idx),
+            _pointer(new_handle.hybrid_routing),
+            cached,
+            num_sms,
+            launch.stream,
+            False,
         )
 
         if not cached:
@@ -347,26 +341,22 @@ class HighThroughputMixin:
             recv_topk_weights = launch.empty(shape, torch.float32, device)
         _C.ht_dispatch_epilogue(
             self._runtime,
-            num_max_tokens_per_rank=num_max_tokens,
-            hidden=hidden,
-            use_fp8=use_fp8,
-            num_topk=num_topk,
-            num_experts=num_experts,
-            do_expand=do_expand,
-            expert_alignment=expert_alignment,
-            has_weights=topk_weights is not None,
-            counts=_pointer(new_handle.counts),
-            num_rows_allocated=num_rows,
-            num_meta_rows_allocated=new_handle.num_recv_tokens,
-            recv_x=_pointer(recv_x),
-            recv_x_scales=_pointer(recv_scales),
-            recv_topk_idx=_pointer(recv_topk_idx),
-            recv_topk_weights=_pointer(recv_topk_weights),
+            call,
+            do_expand,
+            expert_alignment,
+            topk_weights is not None,
+            _pointer(new_handle.counts),
+            num_rows,
+            new_handle.num_recv_tokens,
+            _pointer(recv_x),
+            _pointer(recv_scales),
+            _pointer(recv_topk_idx),
+            _pointer(recv_topk_weights),
             # A cached dispatch has the same routing: the handle's metadata is already right.
-            recv_src_metadata=0 if cached else _pointer(new_handle.recv_src_metadata),
-            recv_expanded_rows=0 if cached else _pointer(new_handle.recv_expanded_row_idx),
-            num_ctas=self._max_num_sms,
-            stream=launch.stream,
+            0 if cached else _pointer(new_handle.recv_src_metadata),
+            0 if cached else _pointer(new_handle.recv_expanded_row_idx),
+            self._max_num_sms,
+            launch.stream,
         )
         event = launch.finish(async_with_compute_stream, (data, scales, topk_idx, topk_weights, *new_handle.tensors()))
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
@@ -375,9 +365,8 @@ class HighThroughputMixin:
     def _notify(
         self,
         launch: _CommLaunch,
+        call: Any,
         topk_idx: torch.Tensor,
-        num_experts: int,
-        num_max_tokens: int,
         expert_alignment: int,
         do_expand: bool,
         do_cpu_sync: bool,
@@ -386,22 +375,25 @@ class HighThroughputMixin:
     ) -> EPHandle:
         """Launch the notify kernel and build the handle around its outputs (sizes filled in later)."""
         num_ranks = self.num_ranks
+        num_experts = call.num_experts
+        num_max_tokens = call.num_max_tokens_per_rank
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
         layout = _counts_layout(num_ranks, num_local)
         entries = num_tokens * num_topk
         # One allocation split into the handle's int32 arrays: [routing as 2 x int32 per entry]
-        # [expert_slot] [dst_slot] [counts fields in layout order] [notify scratch]. Each torch.empty
-        # costs host time on the uncached path, which the GPU waits for.
+        # [expert_slot] [dst_slot] [counts fields in layout order] [hybrid routing] [notify scratch].
+        # Each torch.empty costs host time on the uncached path, which the GPU waits for.
         sizes = (
             2 * entries,
             entries,
             entries,
             *_counts_field_sizes(num_ranks, num_local),
-            _scratch_ints(num_tokens, num_experts, num_ranks),
+            _C.ht_hybrid_routing_ints(call, num_tokens),
+            _C.ht_notify_scratch_ints(call, num_tokens),
         )
         block = launch.empty((sum(sizes),), torch.int32, device)
-        routing32, expert_slot, dst_slot, *fields, scratch = block.split(sizes)
+        routing32, expert_slot, dst_slot, *fields, hybrid_routing, scratch = block.split(sizes)
         routing = routing32.view(torch.int64).view(num_tokens, num_topk)
         expert_slot = expert_slot.view(num_tokens, num_topk)
         dst_slot = dst_slot.view(num_tokens, num_topk)
@@ -411,20 +403,21 @@ class HighThroughputMixin:
             self._runtime.reset_mapped_counter(_C.HT_MAPPED_READY)
         _C.ht_notify(
             self._runtime,
-            topk_idx=_pointer(topk_idx),
-            topk_idx_copy=_pointer(routing),
-            num_tokens=num_tokens,
-            num_topk=num_topk,
-            num_experts=num_experts,
-            expert_alignment=expert_alignment,
-            do_expand=do_expand,
-            expert_slot=_pointer(expert_slot),
-            dst_slot=_pointer(dst_slot),
-            scratch=_pointer(scratch),
-            counts=_pointer(counts),
-            cpu_sync=do_cpu_sync,
-            num_sms=num_sms,
-            stream=launch.stream,
+            call,
+            _pointer(topk_idx),
+            _pointer(routing),
+            num_tokens,
+            expert_alignment,
+            do_expand,
+            _pointer(expert_slot),
+            _pointer(dst_slot),
+            _pointer(scratch),
+            _pointer(counts),
+            do_cpu_sync,
+            _pointer(hybrid_routing) if call.hybrid else 0,
+            num_sms,
+            launch.stream,
+            False,
         )
 
         return EPHandle(
@@ -453,6 +446,10 @@ class HighThroughputMixin:
             recv_expanded_row_idx=None,
             counts=counts,
             owner_id=self._serial,
+            hybrid_routing=hybrid_routing if call.hybrid else None,
+            num_nodes=call.num_nodes if call.hybrid else 1,
+            scaleout_row_bytes=call.scaleout_row_bytes,
+            home_node=self.scaleout_rank_idx if call.hybrid else 0,
         )
 
     # ------------------------------------------------------------------ combine
@@ -499,7 +496,7 @@ class HighThroughputMixin:
             self._check_weights("topk_weights", topk_weights, weights_shape, device)
             biases = self._check_bias(bias, handle.num_tokens, hidden, device)
             num_max_tokens = handle.num_max_tokens_per_rank
-            layout = _ht_layout(self.num_ranks, self.num_ranks, num_max_tokens, hidden, handle.num_topk, False)
+            layout = _ht_layout(self.num_ranks, self.num_scaleup_ranks, num_max_tokens, hidden, handle.num_topk, False)
             self._check_fits(
                 "combine",
                 layout["combine_bytes"],
@@ -519,35 +516,35 @@ class HighThroughputMixin:
         combined_weights = None
         if topk_weights is not None:
             combined_weights = launch.empty((handle.num_tokens, handle.num_topk), torch.float32, device)
+        call = self._ht_call(num_max_tokens, hidden, handle.num_topk, handle.num_experts, False)
         _C.ht_combine(
             self._runtime,
-            num_max_tokens_per_rank=num_max_tokens,
-            hidden=hidden,
-            num_topk=handle.num_topk,
-            do_expand=handle.do_expand,
-            x=_pointer(x),
-            topk_weights=_pointer(topk_weights),
-            counts=_pointer(handle.counts),
-            recv_src_metadata=_pointer(handle.recv_src_metadata),
-            recv_expanded_rows=_pointer(handle.recv_expanded_row_idx),
-            num_meta_rows=handle.recv_src_metadata.shape[0],
-            num_sms=num_sms,
-            stream=launch.stream,
+            call,
+            handle.do_expand,
+            _pointer(x),
+            _pointer(topk_weights),
+            _pointer(handle.counts),
+            _pointer(handle.recv_src_metadata),
+            _pointer(handle.recv_expanded_row_idx),
+            handle.recv_src_metadata.shape[0],
+            handle.num_tokens,
+            _pointer(handle.topk_idx),
+            _pointer(handle.hybrid_routing),
+            num_sms,
+            launch.stream,
+            False,
         )
         _C.ht_combine_reduce(
             self._runtime,
-            num_max_tokens_per_rank=num_max_tokens,
-            hidden=hidden,
-            num_topk=handle.num_topk,
-            num_experts=handle.num_experts,
-            num_tokens=handle.num_tokens,
-            topk_idx=_pointer(handle.topk_idx),
-            bias0=_pointer(biases[0]),
-            bias1=_pointer(biases[1]),
-            combined_x=_pointer(combined_x),
-            combined_topk_weights=_pointer(combined_weights),
-            num_ctas=self._max_num_sms,
-            stream=launch.stream,
+            call,
+            handle.num_tokens,
+            _pointer(handle.topk_idx),
+            _pointer(biases[0]),
+            _pointer(biases[1]),
+            _pointer(combined_x),
+            _pointer(combined_weights),
+            self._max_num_sms,
+            launch.stream,
         )
         event = launch.finish(async_with_compute_stream, (x, topk_weights, *biases, *handle.tensors()))
         return combined_x, combined_weights, event
@@ -566,53 +563,42 @@ class HighThroughputMixin:
                 add_note(error, "this rank could not take part in the dispatch (no valid num_experts): peers time out")
                 return
         num_ranks = self.num_ranks
+        # The peers' T_max, as far as this rank can tell (a hybrid forwarder keeps their rows).
 
         def launch(stream: int, keep: Any) -> None:
+            num_max_tokens = handle.num_max_tokens_per_rank if cached else max(1, self.num_max_tokens_per_rank)
+            call = self._ht_call(num_max_tokens, NULL_HIDDEN, 1, num_ranks if cached else num_experts, False)
+            hybrid = torch.zeros((_C.ht_hybrid_routing_ints(call, 0),), dtype=torch.int32, device=self._torch_device)
+            keep(hybrid)
             if not cached:
                 counts_ints = _counts_layout(num_ranks, num_experts // num_ranks)["total"]
                 scratch = torch.empty(
-                    (counts_ints + _scratch_ints(0, num_experts, num_ranks),),
+                    (counts_ints + _C.ht_notify_scratch_ints(call, 0),),
                     dtype=torch.int32,
                     device=self._torch_device,
                 )
                 keep(scratch)
                 _C.ht_notify(
                     self._runtime,
-                    topk_idx=0,
-                    topk_idx_copy=0,
-                    num_tokens=0,
-                    num_topk=1,
-                    num_experts=num_experts,
-                    expert_alignment=1,
-                    do_expand=False,
-                    expert_slot=0,
-                    dst_slot=0,
-                    scratch=scratch.data_ptr() + 4 * counts_ints,
-                    counts=scratch.data_ptr(),
-                    cpu_sync=False,
-                    num_sms=1,
-                    stream=stream,
-                    input_failed=True,
+                    call,
+                    0,
+                    0,
+                    0,
+                    1,
+                    False,
+                    0,
+                    0,
+                    scratch.data_ptr() + 4 * counts_ints,
+                    scratch.data_ptr(),
+                    False,
+                    _pointer(hybrid) if call.hybrid else 0,
+                    1,
+                    stream,
+                    True,
                 )
-            _C.ht_dispatch(
-                self._runtime,
-                num_max_tokens_per_rank=1,
-                hidden=NULL_HIDDEN,
-                use_fp8=False,
-                num_topk=1,
-                num_experts=num_ranks if cached else num_experts,
-                num_tokens=0,
-                x=0,
-                x_scales=0,
-                topk_idx=0,
-                topk_weights=0,
-                dst_slot=0,
-                expert_slot=0,
-                entry_barrier=cached,
-                num_sms=1,
-                stream=stream,
-                input_failed=cached,
-            )
+            no_data = (0, 0, 0, 0, 0, 0, 0)  # num_tokens, x, scales, topk_idx, weights, dst_slot, expert_slot
+            hybrid_block = _pointer(hybrid) if call.hybrid else 0
+            _C.ht_dispatch(self._runtime, call, *no_data, hybrid_block, cached, 1, stream, cached)
 
         take_part_without_input(self, error, launch)
 
@@ -627,22 +613,33 @@ class HighThroughputMixin:
 
         def launch(stream: int, keep: Any) -> None:
             if zero_rows:
+                call = self._ht_call(handle.num_max_tokens_per_rank, hidden, handle.num_topk, handle.num_experts, False)
+            else:
+                call = self._ht_call(max(1, self.num_max_tokens_per_rank), NULL_HIDDEN, 1, self.num_ranks, False)
+            hybrid = handle.hybrid_routing if zero_rows else None
+            if call.hybrid and hybrid is None:
+                hybrid = torch.zeros(
+                    (_C.ht_hybrid_routing_ints(call, 0),), dtype=torch.int32, device=self._torch_device
+                )
+                keep(hybrid)
+            if zero_rows:
                 keep(*handle.tensors())
             _C.ht_combine(
                 self._runtime,
-                num_max_tokens_per_rank=handle.num_max_tokens_per_rank if zero_rows else 1,
-                hidden=hidden if zero_rows else NULL_HIDDEN,
-                num_topk=handle.num_topk if zero_rows else 1,
-                do_expand=handle.do_expand if zero_rows else False,
-                x=0,
-                topk_weights=0,
-                counts=_pointer(handle.counts) if zero_rows else 0,
-                recv_src_metadata=_pointer(handle.recv_src_metadata) if zero_rows else 0,
-                recv_expanded_rows=0,
-                num_meta_rows=handle.recv_src_metadata.shape[0] if zero_rows else 0,
-                num_sms=1,
-                stream=stream,
-                input_failed=True,
+                call,
+                handle.do_expand if zero_rows else False,
+                0,
+                0,
+                _pointer(handle.counts) if zero_rows else 0,
+                _pointer(handle.recv_src_metadata) if zero_rows else 0,
+                0,
+                handle.recv_src_metadata.shape[0] if zero_rows else 0,
+                handle.num_tokens if zero_rows else 0,
+                _pointer(handle.topk_idx) if zero_rows else 0,
+                _pointer(hybrid),
+                1,
+                stream,
+                True,
             )
 
         take_part_without_input(self, error, launch)
@@ -657,6 +654,15 @@ class HighThroughputMixin:
         return 0
 
     # ------------------------------------------------------------------ validation
+
+    def _ht_call(self, num_max_tokens: int, hidden: int, num_topk: int, num_experts: int, use_fp8: bool) -> Any:
+        """The call description of one shape on this buffer (topology, layout), built once and cached."""
+        key = (num_max_tokens, hidden, num_topk, num_experts, use_fp8)
+        calls = self.__dict__.setdefault("_ht_calls", {})
+        call = calls.get(key)
+        if call is None:
+            call = calls[key] = _C.ht_call(self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8)
+        return call
 
     def _check_handle_owner(self, handle: EPHandle) -> None:
         if handle.owner_id != self._serial:

@@ -22,6 +22,7 @@
 
 #include "common/device_view.hpp"
 #include "common/geometry.hpp"
+#include "common/ht_call.hpp"
 
 namespace deep_ep::ht {
 
@@ -30,6 +31,7 @@ namespace deep_ep::ht {
 constexpr int kGridSlotNotify = 8;
 constexpr int kGridSlotDispatch = 9;
 constexpr int kGridSlotCombine = 10;
+constexpr int kGridSlotBarrier = 11;  // hybrid_barrier's own grid syncs
 
 // Host-mapped counters written by the notify kernel when the caller asked for a CPU sync.
 constexpr int kMappedNumRecvTokens = 0;               // non-expand rows N
@@ -70,46 +72,76 @@ constexpr CountsLayout counts_layout(int num_ranks, int num_local_experts) {
   return layout;
 }
 
-// Notify scratch: per block of 32 tokens one row of [E experts | R ranks] counts (turned into
-// exclusive bases in place), plus one row of totals.
+// Notify scratch: per block of 32 tokens one row of [E experts | R ranks | N nodes] counts (turned
+// into exclusive bases in place), plus one row of totals. Direct mode has no node columns.
 constexpr int kNotifyTokensPerBlock = 32;
-constexpr int64_t notify_scratch_ints(int64_t num_tokens, int num_experts, int num_ranks) {
-  return ((num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock + 1) * (num_experts + num_ranks);
+EP_HOST_DEVICE constexpr int notify_columns(const HtCall& call) {
+  return call.num_experts + call.num_ranks() + (call.hybrid() ? call.num_nodes() : 0);
+}
+EP_HOST_DEVICE constexpr int64_t notify_scratch_ints(const HtCall& call, int64_t num_tokens) {
+  return ((num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock + 1) * notify_columns(call);
 }
 
-// The direct-mode layout of one call shape (every rank passes the same shape): every rank is one
-// scale-up peer, whatever node emulation the buffer was built with.
-inline HighThroughputLayout direct_layout(int num_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_topk,
-                                          bool use_fp8) {
-  return high_throughput_layout(Topology{num_ranks, num_ranks}, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
+// Hybrid mode: an own token's channel (the stream of scale-out rows its sender CTA signals) is its
+// range of whole notify blocks: channel c holds tokens [c * tokens_per_channel, ...).
+EP_HOST_DEVICE constexpr int64_t channel_tokens(int64_t num_tokens, int num_channels) {
+  const int64_t blocks = (num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+  const int64_t per_channel = (blocks + num_channels - 1) / num_channels;
+  return (per_channel > 0 ? per_channel : 1) * kNotifyTokensPerBlock;
+}
+
+// Hybrid mode's routing arrays of one dispatch (one int32 allocation owned by the handle).
+struct HybridRouting {
+  int num_channels = 0;
+  int32_t* node_slot = nullptr;       // [T][N] ordinal of own token t among own tokens for node n, -1 if none
+  int32_t* node_counts = nullptr;     // [N] own tokens for each node (the home node included)
+  int32_t* forward_prefix = nullptr;  // [N][C + 1] rows from the rail peer of node m, exclusive prefix per channel
+  int32_t* forward_token = nullptr;   // [N][T_max] source token of row r from the rail peer of node m
+  int32_t* forward_topk = nullptr;    // [N][T_max][K] its global expert ids (-1: none)
+  int64_t total_ints = 0;
+};
+
+EP_HOST_DEVICE inline HybridRouting hybrid_routing(int32_t* block, const HtCall& call, int64_t num_tokens) {
+  HybridRouting routing;
+  const int64_t nodes = call.num_nodes();
+  const int num_channels = call.num_channels();
+  routing.num_channels = num_channels;
+  int64_t offset = 0;
+  const auto take = [&](int64_t ints) {
+    int32_t* pointer = block == nullptr ? nullptr : block + offset;
+    offset += ints;
+    return pointer;
+  };
+  routing.node_slot = take(num_tokens * nodes);
+  routing.node_counts = take(nodes);
+  routing.forward_prefix = take(nodes * (num_channels + 1));
+  routing.forward_token = take(nodes * call.num_max_tokens());
+  routing.forward_topk = take(nodes * call.num_max_tokens() * call.num_topk);
+  routing.total_ints = offset;
+  return routing;
 }
 
 struct NotifyArgs {
   DeviceView view;
+  HtCall call;
   const int64_t* topk_idx = nullptr;  // [T, K]
   int64_t* topk_idx_copy = nullptr;   // out [T, K]: the handle's copy of the routing, bad/repeated ids -1
   int num_tokens = 0;
-  int num_topk = 0;
-  int num_experts = 0;
   int expert_alignment = 1;
   bool do_expand = false;
   int32_t* expert_slot = nullptr;      // out [T, K]: ordinal of t among this rank's tokens of that expert, -1 if none
   int32_t* dst_slot = nullptr;         // out [T, K]: slot at the expert's rank on the first k of that rank, else -1
-  int32_t* scratch = nullptr;          // notify_scratch_ints(T, E, R)
+  int32_t* scratch = nullptr;          // notify_scratch_ints(call, T)
   int32_t* counts = nullptr;           // out: counts_layout(R, L)
   int32_t* mapped_counters = nullptr;  // device pointer of the host-mapped counters; nullptr: no CPU sync
+  HybridRouting hybrid;                // hybrid mode: out node_slot, node_counts, forward_prefix
   int num_sms = 1;
   bool input_failed = false;  // this rank takes part with T = 0 and tells its peers its input failed
 };
 
 struct DispatchArgs {
   DeviceView view;
-  int64_t ht_offset = 0;
-  int64_t num_max_tokens_per_rank = 0;
-  int hidden = 0;
-  bool use_fp8 = false;
-  int num_topk = 0;
-  int num_experts = 0;
+  HtCall call;
   int num_tokens = 0;
   const void* x = nullptr;               // [T, H] bf16 or fp8
   const float* x_scales = nullptr;       // [T, H/128] (fp8 only)
@@ -117,6 +149,7 @@ struct DispatchArgs {
   const float* topk_weights = nullptr;   // [T, K] or nullptr
   const int32_t* dst_slot = nullptr;     // from notify
   const int32_t* expert_slot = nullptr;  // from notify
+  HybridRouting hybrid;                  // hybrid mode: node_slot, forward_prefix in; forward_token/topk out
   bool entry_barrier = false;            // cached dispatch: no notify ran before, so barrier here
   int num_sms = 1;
   bool input_failed = false;  // with entry_barrier: this rank sends nothing and tells its peers why
@@ -124,12 +157,7 @@ struct DispatchArgs {
 
 struct EpilogueArgs {
   DeviceView view;
-  int64_t ht_offset = 0;
-  int64_t num_max_tokens_per_rank = 0;
-  int hidden = 0;
-  bool use_fp8 = false;
-  int num_topk = 0;
-  int num_experts = 0;
+  HtCall call;
   bool do_expand = false;
   int expert_alignment = 1;
   bool has_weights = false;             // senders wrote weights into the slots
@@ -147,10 +175,7 @@ struct EpilogueArgs {
 
 struct CombineArgs {
   DeviceView view;
-  int64_t ht_offset = 0;
-  int64_t num_max_tokens_per_rank = 0;
-  int hidden = 0;
-  int num_topk = 0;
+  HtCall call;
   bool do_expand = false;
   const void* x = nullptr;                      // bf16 [N or N', H]; nullptr: send zero rows
   const float* topk_weights = nullptr;          // [N, K] or expand [N']; nullptr: no weights
@@ -158,17 +183,17 @@ struct CombineArgs {
   const int32_t* recv_src_metadata = nullptr;   // [N, 3]
   const int32_t* recv_expanded_rows = nullptr;  // expand [N, K]
   int64_t num_meta_rows = 0;                    // N the host allocated the two arrays above for
+  // Hybrid mode (the forwarder's node partials): own routing and the handle's hybrid arrays.
+  int num_tokens = 0;
+  const int64_t* topk_idx = nullptr;  // the handle's copy [T, K]
+  HybridRouting hybrid;
   int num_sms = 1;
   bool input_failed = false;  // this rank's input failed: it sends zero rows (or none) and tells its peers
 };
 
 struct ReduceArgs {
   DeviceView view;
-  int64_t ht_offset = 0;
-  int64_t num_max_tokens_per_rank = 0;
-  int hidden = 0;
-  int num_topk = 0;
-  int num_experts = 0;
+  HtCall call;
   int num_tokens = 0;
   const int64_t* topk_idx = nullptr;  // the handle's copy [T, K]
   const void* bias0 = nullptr;        // bf16 [T, H] or nullptr
@@ -180,6 +205,7 @@ struct ReduceArgs {
 
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream);  // launch_dispatch checked args
 void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream);

@@ -1,6 +1,11 @@
-// HT combine (direct): every received token row goes back to its home rank, into row
+// HT combine. Direct: every received token row goes back to its home rank, into row
 // [j][source token] of the home rank's combine area, j = index of this rank among the token's
 // distinct destination ranks (ascending; kept in recv_src_metadata by the dispatch epilogue).
+// Hybrid: the row goes over load/store to the token's forwarder on this node (the home rank's rail
+// peer here), row [j][home node][token] with j counted among the token's ranks on this node; after
+// a node barrier each forwarder sums its node's rows per token (ascending rank, fp32, one bf16
+// rounding) and puts the partial to the home rank (scale-out transport), which waits for them
+// before the reduce kernel adds biases and node partials in ascending node order.
 //
 // Expand mode sends one row per token: the fp32 sum of its expanded rows in ascending row order
 // (= ascending local expert: expert groups are laid out in expert order), rounded to bf16 once.
@@ -13,6 +18,8 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/scaleout.cuh"
+#include "kernels/topology_barrier.cuh"
 
 namespace deep_ep::ht {
 namespace {
@@ -68,18 +75,176 @@ __device__ void send_expanded_sum(const int4* x, int64_t num_vectors, int ordere
   }
 }
 
+// Hybrid mode, forwarder phase: the node partial of one token (this node's rows of it, summed in
+// ascending rank order in fp32, rounded once) into `dst`, and the weights of this node's entries.
+// Lane k holds the token's expert k (-1: none).
+__device__ void sum_node_rows(const DeviceView& view, const HtCall& call, int source_node, int64_t token, int expert,
+                              uint8_t* dst) {
+  const int lane = lane_id();
+  const int node = call.node_of(view.rank);
+  const int node_first = node * call.ranks_per_node();
+  const int node_end = node_first + call.ranks_per_node();
+  const TokenLayout& combine = call.combine_token();
+  const int64_t num_vectors = int64_t{call.hidden} / kBf16PerVector;
+  const int expert_rank = expert >= 0 ? call.rank_of_expert(expert) : -1;
+  const int in_node_rank = (expert_rank >= node_first && expert_rank < node_end) ? expert_rank : -1;
+  const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(in_node_rank));
+  const int num_terms = __popc(first_lanes);
+  const uint8_t* rows = view.local<uint8_t>(call.combine_row_slot(0, source_node, token));
+  const int64_t row_stride =
+      call.combine_row_slot(1, source_node, token) - call.combine_row_slot(0, source_node, token);
+  for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
+    float acc[kSumUnroll][kBf16PerVector];
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+      for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
+    }
+    for (int term = 0; term < num_terms; ++term) {
+      const auto* row = reinterpret_cast<const int4*>(rows + term * row_stride);
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+        if (index < num_vectors) accumulate_bf16x8(acc[u], __ldcg(row + index));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      const int64_t index = base + u * 32 + lane;
+      if (index < num_vectors) reinterpret_cast<int4*>(dst)[index] = round_to_bf16x8(acc[u]);
+    }
+  }
+  // Weight k comes from the row of the rank owning expert k; entries of other nodes carry 0.
+  const int term = distinct_ranks_in(in_node_rank, first_lanes, node_first, in_node_rank);
+  if (lane < call.num_topk) {
+    float weight = 0.0f;
+    if (in_node_rank >= 0)
+      weight = __ldcg(reinterpret_cast<const float*>(rows + term * row_stride + combine.weights_offset) + lane);
+    reinterpret_cast<float*>(dst + combine.weights_offset)[lane] = weight;
+  }
+}
+
+// Hybrid mode, forwarder phase: every token this node holds experts of, per source node m: the rail
+// peer's rows as forwarded by the dispatch (handle: forward_*), and this rank's own tokens (m = this
+// node). Each partial goes to the token's home rank, row [index of this node among the token's
+// nodes]; one signal per (CTA, batch, remote node) counts the rows it covers.
+__device__ bool forward_partials(const CombineArgs& args, scaleout::DeferredQueue* queue, int* item_prefix,
+                                 int* batch_rows) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const HybridRouting& hybrid = args.hybrid;
+  const int lane = lane_id();
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int num_nodes = call.num_nodes();
+  const int node = call.node_of(view.rank);
+  const int num_topk = call.num_topk;
+  const scaleout::WarpGroup group{1, static_cast<int>(blockDim.x), static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, queue);
+  transport.init(group);
+  if (threadIdx.x == 0) {
+    int running = 0;
+    for (int m = 0; m < num_nodes; ++m) {
+      item_prefix[m] = running;
+      const int forwarded = hybrid.forward_prefix[m * (hybrid.num_channels + 1) + hybrid.num_channels];
+      running += m == node ? args.num_tokens : max(0, min(forwarded, static_cast<int>(call.num_max_tokens())));
+    }
+    item_prefix[num_nodes] = running;
+  }
+  for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
+  group.sync();
+  const int64_t num_items = item_prefix[num_nodes];
+  const int64_t per_round = int64_t{gridDim.x} * kCombineWarps;
+  for (int64_t round = 0; round * per_round < num_items; ++round) {
+    const int64_t item = round * per_round + int64_t{blockIdx.x} * kCombineWarps + warp;
+    if (item < num_items) {
+      int m = 0;
+      while (item >= item_prefix[m + 1]) ++m;
+      const int64_t index = item - item_prefix[m];
+      int64_t token = index;
+      int expert = -1;
+      bool involved = true;
+      if (m == node) {
+        if (lane < num_topk) expert = handle_expert(args.topk_idx, index * num_topk + lane, call.num_experts);
+        involved = hybrid.node_slot[index * num_nodes + node] >= 0;
+      } else {
+        const int64_t kept = int64_t{m} * call.num_max_tokens() + index;
+        token = hybrid.forward_token[kept];
+        if (lane < num_topk) {
+          const int32_t id = hybrid.forward_topk[kept * num_topk + lane];
+          expert = (id >= 0 && id < call.num_experts) ? id : -1;
+        }
+      }
+      if (involved) {
+        // Index of this node among the token's nodes (ascending): the home rank's partial row.
+        const int expert_node = expert >= 0 ? call.node_of(call.rank_of_expert(expert)) : -1;
+        const uint32_t node_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_node));
+        const int node_index = distinct_ranks_in(expert_node, node_lanes, 0, node);
+        if (m == node) {
+          sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_slot(node_index, token)));
+        } else {
+          sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_send_slot(m, token)));
+          __syncwarp();
+          transport.put(call.rail_peer(view.rank, m), call.partial_slot(node_index, token),
+                        call.partial_send_slot(m, token), call.combine_token().bytes);
+          if (lane == 0) atomicAdd(&batch_rows[m], 1);
+        }
+      }
+    }
+    group.sync();
+    for (int m = 0; m < num_nodes; ++m) {
+      const int rows = batch_rows[m];
+      if (rows > 0) transport.signal(group, call.rail_peer(view.rank, m), kSignalPartials + node, rows);
+    }
+    group.sync();
+    for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
+    group.sync();
+  }
+  transport.flush(group);
+  return true;
+}
+
+// Hybrid mode, CTA 0 at the end: every remote node's partials of this rank's tokens have landed
+// (the reduce kernel reads them next).
+__device__ bool wait_partials(const CombineArgs& args) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const int node = call.node_of(view.rank);
+  const scaleout::Transport transport(view, nullptr);
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int m = threadIdx.x; m < call.num_nodes(); m += blockDim.x) {
+    if (m == node) continue;
+    const int id = kSignalPartials + m;
+    const int32_t expected = args.hybrid.node_counts[m];
+    if (scaleout::wait_signal(view, transport, Operation::kHtCombine, Phase::kPartialsArrive,
+                              call.rail_peer(view.rank, m), id, expected)) {
+      scaleout::advance_shadow(view, id, expected);
+    } else {
+      failed = 1;
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const CombineArgs args) {
   const DeviceView& view = args.view;
-  // The home ranks' combine areas overlap their dispatch receive areas: wait until every rank has
-  // finished its dispatch epilogue.
-  if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtCombine, args.input_failed)) return;
+  const HtCall& call = args.call;
+  __shared__ scaleout::DeferredQueue queue;
+  __shared__ int item_prefix[kMaxNodes + 1];
+  __shared__ int batch_rows[kMaxNodes];
+  // The combine areas overlap the dispatch receive areas: wait until every rank has finished its
+  // dispatch epilogue.
+  if (blockIdx.x == 0 && !topology_barrier(view, Operation::kHtCombine, args.input_failed)) return;
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
 
   const int lane = lane_id();
   const int num_ranks = view.num_ranks;
-  const int num_topk = args.num_topk;
-  const TokenLayout token = combine_token_layout(args.hidden, num_topk);
-  const int64_t num_vectors = int64_t{args.hidden} / kBf16PerVector;
+  const int num_topk = call.num_topk;
+  const int node = call.node_of(view.rank);
+  const TokenLayout& token = call.combine_token();
+  const int64_t num_vectors = int64_t{call.hidden} / kBf16PerVector;
   const CountsLayout counts = counts_layout(num_ranks, 1);  // psum_per_source does not depend on L
   const int64_t num_rows = args.counts == nullptr ? 0 : args.counts[counts.psum_per_source + num_ranks - 1];
   const auto* x = static_cast<const int4*>(args.x);
@@ -89,9 +254,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
     const int32_t* meta = args.recv_src_metadata + row * kSrcMetadataColumns;
     const int source = __ldg(meta);
     const int64_t source_token = __ldg(meta + 1);
-    const int64_t combine_row = __ldg(meta + 2);
+    const int combine_row = __ldg(meta + 2);
+    // Direct: the home rank's row [j][token]. Hybrid: the forwarder of the source's tokens on this
+    // node (its rail peer here), row [j][source node][token].
+    const int receiver = call.hybrid() ? call.rail_peer(source, node) : source;
     uint8_t* dst = view.peer<uint8_t>(
-        source, args.ht_offset + (combine_row * args.num_max_tokens_per_rank + source_token) * token.bytes);
+        receiver, call.combine_row_slot(combine_row, call.hybrid() ? call.node_of(source) : 0, source_token));
     float weight = 0.0f;
     if (x == nullptr) {
       // This rank's input failed: its contribution to the token is zero, not stale window data.
@@ -113,16 +281,33 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
     }
   }
 
-  // All rows everywhere, then the reduce epilogue may read its own area.
+  if (!call.hybrid()) {
+    // All rows everywhere, then the reduce epilogue may read its own area.
+    if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+    if (blockIdx.x == 0) rank_barrier(view, Operation::kHtCombine);
+    return;
+  }
+  // Hybrid: this node's rows at every forwarder of the node, then the node partials.
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
-  if (blockIdx.x == 0) rank_barrier(view, Operation::kHtCombine);
+  if (blockIdx.x == 0 &&
+      !group_barrier(view, Operation::kHtCombine, node * call.ranks_per_node(), call.ranks_per_node())) {
+    return;
+  }
+  if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+  forward_partials(args, &queue, item_prefix, batch_rows);
+  if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+  if (blockIdx.x == 0) wait_partials(args);
 }
 
 }  // namespace
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   check_grid_size(args.view, "num_sms", args.num_sms);
-  check_combine_shape(args.num_topk, args.hidden);
+  check_call(args.view, args.call);
+  check_combine_shape(args.call.num_topk, args.call.hidden);
+  check_hybrid_routing(args.call, args.hybrid, args.num_tokens);
+  EP_REQUIRE(!args.call.hybrid() || args.num_tokens == 0 || args.topk_idx != nullptr,
+             "hybrid combine needs the handle's routing copy");
   // With no received rows (every rank dispatched nothing here) the per-row arrays are empty, so
   // their pointers may be null; the kernel reads no row then.
   EP_REQUIRE(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));

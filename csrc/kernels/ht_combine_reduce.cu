@@ -1,6 +1,8 @@
 // HT combine reduce epilogue (home rank, local memory only): for each own token,
-//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += row j for j = 0 .. distinct ranks - 1;
+//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += term j for j = 0 .. terms - 1;
 //   out = bf16(acc), rounded once.
+// Direct: term j is the row of the token's j-th destination rank. Hybrid: the partial of the
+// token's j-th node (each already a bf16 sum of that node's rows, see ht_combine.cu).
 // Row j came from the token's j-th destination rank in ascending order, so the sum order, and
 // hence every bit of the result, is fixed whatever the arrival order. The home rank derives j from
 // its own copy of topk_idx exactly as the senders did.
@@ -21,13 +23,11 @@ constexpr int kSumUnroll = 2;
 
 __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs args) {
   const DeviceView& view = args.view;
+  const HtCall& call = args.call;
   const int lane = lane_id();
-  const int num_topk = args.num_topk;
-  const int num_local = args.num_experts / view.num_ranks;
-  const TokenLayout token = combine_token_layout(args.hidden, num_topk);
-  const int64_t num_vectors = int64_t{args.hidden} / kBf16PerVector;
-  const int64_t area_stride = args.num_max_tokens_per_rank * token.bytes;  // bytes between rows j and j + 1
-  const uint8_t* area = view.local<uint8_t>(args.ht_offset);
+  const int num_topk = call.num_topk;
+  const TokenLayout& token = call.combine_token();
+  const int64_t num_vectors = int64_t{call.hidden} / kBf16PerVector;
   const auto* bias0 = static_cast<const int4*>(args.bias0);
   const auto* bias1 = static_cast<const int4*>(args.bias1);
   auto* out = static_cast<int4*>(args.combined_x);
@@ -35,11 +35,16 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
   const int first_warp = static_cast<int>(blockIdx.x * kReduceWarps + threadIdx.x / 32);
   for (int t = first_warp; t < args.num_tokens; t += gridDim.x * kReduceWarps) {
     const int expert =
-        lane < num_topk ? handle_expert(args.topk_idx, int64_t{t} * num_topk + lane, args.num_experts) : -1;
-    const int expert_rank = expert >= 0 ? expert / num_local : -1;
-    const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
+        lane < num_topk ? handle_expert(args.topk_idx, int64_t{t} * num_topk + lane, call.num_experts) : -1;
+    // A term is a rank's row (direct) or a node's partial (hybrid), in ascending order.
+    int term_owner = expert >= 0 ? call.rank_of_expert(expert) : -1;
+    if (call.hybrid() && term_owner >= 0) term_owner = call.node_of(term_owner);
+    const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(term_owner));
     const int num_terms = __popc(first_lanes);
-    const uint8_t* token_rows = area + int64_t{t} * token.bytes;
+    const uint8_t* token_rows =
+        view.local<uint8_t>(call.hybrid() ? call.partial_slot(0, t) : call.combine_row_slot(0, 0, t));
+    const int64_t area_stride = call.hybrid() ? call.partial_slot(1, t) - call.partial_slot(0, t)
+                                              : call.combine_row_slot(1, 0, t) - call.combine_row_slot(0, 0, t);
 
     for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
       float acc[kSumUnroll][kBf16PerVector];
@@ -68,8 +73,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
     }
 
     if (args.combined_topk_weights != nullptr) {
-      // Weight k comes from the row sent by the rank owning expert k.
-      const int term = distinct_ranks_below(expert_rank, first_lanes, expert_rank);
+      // Weight k comes from the term of the rank (node) owning expert k.
+      const int term = distinct_ranks_in(term_owner, first_lanes, 0, term_owner);
       if (lane < num_topk) {
         float weight = 0.0f;
         if (expert >= 0) {
@@ -85,7 +90,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
 
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   check_grid_size(args.view, "num_ctas", args.num_ctas);
-  check_combine_shape(args.num_topk, args.hidden);
+  check_call(args.view, args.call);
+  check_combine_shape(args.call.num_topk, args.call.hidden);
   reduce_kernel<<<args.num_ctas, kReduceThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine reduce_kernel");
 }

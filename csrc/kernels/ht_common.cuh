@@ -6,8 +6,11 @@
 #include <cstdint>
 #include <string>
 
+#include "common/device_view.hpp"
 #include "common/geometry.hpp"
+#include "common/ht_call.hpp"
 #include "common/require.hpp"
+#include "kernels/high_throughput.hpp"
 #include "kernels/ptx.cuh"
 
 namespace deep_ep::ht {
@@ -22,6 +25,34 @@ inline void check_combine_shape(int num_topk, int hidden) {
              "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(num_topk));
   EP_REQUIRE(hidden % kBf16PerVector == 0,
              "hidden must be a multiple of 8 (16-byte bf16 vectors), got " + std::to_string(hidden));
+}
+
+// Host check every HT launcher makes on its call description: the shape the kernels rely on, and a
+// topology that is the buffer's (the mode follows from it).
+inline void check_call(const DeviceView& view, const HtCall& call) {
+  EP_REQUIRE(call.topology.num_ranks == view.num_ranks && call.topology.num_scaleup_ranks == view.num_scaleup_ranks,
+             "the HT call description was built for another topology (" + std::to_string(call.topology.num_ranks) +
+                 " ranks, " + std::to_string(call.topology.num_scaleup_ranks) + " per node) than this buffer's (" +
+                 std::to_string(view.num_ranks) + ", " + std::to_string(view.num_scaleup_ranks) + ")");
+  EP_REQUIRE(call.num_topk >= 1 && call.num_topk <= kMaxTopK,
+             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(call.num_topk));
+  EP_REQUIRE(call.num_experts >= 1 && call.num_experts <= kMaxExperts && call.num_experts % view.num_ranks == 0,
+             "num_experts must be a multiple of num_ranks (" + std::to_string(view.num_ranks) + ") in [1, " +
+                 std::to_string(kMaxExperts) + "], got " + std::to_string(call.num_experts));
+  EP_REQUIRE(
+      !call.hybrid() || call.num_nodes() <= kMaxNodes,
+      "hybrid mode supports up to " + std::to_string(kMaxNodes) + " nodes, got " + std::to_string(call.num_nodes()));
+}
+
+// Hybrid mode needs the handle's hybrid arrays and a channel count the signal ids can hold.
+inline void check_hybrid_routing(const HtCall& call, const HybridRouting& routing, int64_t num_tokens) {
+  if (!call.hybrid()) return;
+  EP_REQUIRE(routing.num_channels >= 1 && routing.num_channels <= kMaxChannels,
+             "hybrid mode needs num_channels in [1, " + std::to_string(kMaxChannels) + "], got " +
+                 std::to_string(routing.num_channels));
+  EP_REQUIRE(routing.node_counts != nullptr && routing.forward_prefix != nullptr && routing.forward_token != nullptr &&
+                 routing.forward_topk != nullptr && (num_tokens == 0 || routing.node_slot != nullptr),
+             "hybrid mode needs the handle's hybrid routing arrays");
 }
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x % 32); }
@@ -51,22 +82,11 @@ __device__ __forceinline__ bool is_first_lane_of_rank(int rank) {
   return rank >= 0 && __ffs(same) - 1 == lane_id();
 }
 
-// Lane k holds the rank of its entry and whether it is the first lane of that rank. Returns, on
-// every lane, the number of distinct ranks of the token below `rank` (the index of `rank` in the
-// token's ascending list of distinct destination ranks).
-__device__ __forceinline__ int distinct_ranks_below(int rank, uint32_t first_lanes, int bound) {
-  int below = 0;
-  for (int other = 0; other < 32; ++other) {
-    const int other_rank = __shfl_sync(kFullMask, rank, other);
-    if (((first_lanes >> other) & 1u) != 0 && other_rank < bound) ++below;
-  }
-  return below;
-}
-
 // Copies `num_vectors` 16-byte vectors from `src` to the rows held by the lanes set in
 // `dst_lanes` (lane k's row is `my_dst`): the source is read once whatever the number of
-// destinations. Called by all 32 lanes. `src` must not be written by this launch (non-coherent load).
-template <int kUnroll>
+// destinations. Called by all 32 lanes. Unless `kWrittenByThisLaunch`, `src` must not be written by
+// this launch (non-coherent load); otherwise it is read through L2.
+template <int kUnroll, bool kWrittenByThisLaunch = false>
 __device__ __forceinline__ void warp_copy_to_lanes(const int4* src, int64_t num_vectors, uint32_t dst_lanes,
                                                    int4* my_dst) {
   const int lane = lane_id();
@@ -75,7 +95,7 @@ __device__ __forceinline__ void warp_copy_to_lanes(const int4* src, int64_t num_
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t index = base + u * 32 + lane;
-      if (index < num_vectors) values[u] = ptx::ld_nc_v4(src + index);
+      if (index < num_vectors) values[u] = kWrittenByThisLaunch ? __ldcg(src + index) : ptx::ld_nc_v4(src + index);
     }
     for (uint32_t lanes = dst_lanes; lanes != 0; lanes &= lanes - 1) {
       const int owner = __ffs(lanes) - 1;
@@ -103,6 +123,48 @@ __device__ __forceinline__ void warp_copy_words_to_lanes(const float* src, int n
       if (index < num_words) dst[index] = value;
     }
   }
+}
+
+// The whole dispatch slot of token `t` (payload, fp8 scales, K expert ids, K weights, K per-expert
+// slots, source token) to every lane's row in `dst_lanes` (lane k's row is `my_slot`). Lane k holds
+// entry k: `expert` (sanitised, so a receiver never sees an id outside [-1, E)), `expert_slot`,
+// `weight`. Called by all 32 lanes.
+template <int kUnroll>
+__device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const uint8_t* x, const float* x_scales,
+                                                    bool has_weights, int t, int expert, int32_t expert_slot,
+                                                    float weight, uint32_t dst_lanes, uint8_t* my_slot) {
+  const TokenLayout& token = call.dispatch_token();
+  const int64_t row_bytes = call.row_bytes();
+  const int num_scales = call.num_scales();
+  const int lane = lane_id();
+  warp_copy_to_lanes<kUnroll>(reinterpret_cast<const int4*>(x + t * row_bytes), row_bytes / kVectorBytes, dst_lanes,
+                              reinterpret_cast<int4*>(my_slot));
+  if (num_scales > 0) {
+    warp_copy_words_to_lanes(x_scales + int64_t{t} * num_scales, num_scales, dst_lanes,
+                             my_slot == nullptr ? nullptr : reinterpret_cast<float*>(my_slot + token.scale_offset));
+  }
+  for (uint32_t lanes = dst_lanes; lanes != 0; lanes &= lanes - 1) {
+    const int owner = __ffs(lanes) - 1;
+    auto* dst =
+        reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_slot), owner));
+    if (lane < call.num_topk) {
+      reinterpret_cast<int32_t*>(dst + token.topk_idx_offset)[lane] = expert;
+      reinterpret_cast<int32_t*>(dst + token.expert_slot_offset)[lane] = expert_slot;
+      if (has_weights) reinterpret_cast<float*>(dst + token.weights_offset)[lane] = weight;
+    }
+    if (lane == 0) *reinterpret_cast<int32_t*>(dst + token.src_offset) = t;
+  }
+}
+
+// Lane k holds the rank of its entry and whether it is the first lane of that rank: the number of
+// the token's distinct destination ranks in [low, high).
+__device__ __forceinline__ int distinct_ranks_in(int rank, uint32_t first_lanes, int low, int high) {
+  int count = 0;
+  for (int other = 0; other < 32; ++other) {
+    const int other_rank = __shfl_sync(kFullMask, rank, other);
+    if (((first_lanes >> other) & 1u) != 0 && other_rank >= low && other_rank < high) ++count;
+  }
+  return count;
 }
 
 // acc += 8 bf16 values, each addition a single fp32 rounding (no contraction, no reassociation).

@@ -46,9 +46,10 @@ __device__ void zero_row(const EpilogueArgs& args, int64_t row, int64_t row_byte
 __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const EpilogueArgs args) {
   __shared__ int32_t psum_shared[kMaxRanks];
   const DeviceView& view = args.view;
+  const HtCall& call = args.call;
   const int num_ranks = view.num_ranks;
-  const int num_topk = args.num_topk;
-  const int num_local = args.num_experts / num_ranks;
+  const int num_topk = call.num_topk;
+  const int num_local = call.num_local_experts();
   const int first_local_expert = view.rank * num_local;
   const CountsLayout counts = counts_layout(num_ranks, num_local);
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
@@ -57,10 +58,13 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   __syncthreads();
 
   const int lane = lane_id();
-  const TokenLayout token = dispatch_token_layout(args.hidden, args.use_fp8, num_topk);
-  const int64_t row_bytes = int64_t{args.hidden} * (args.use_fp8 ? 1 : 2);
+  const TokenLayout& token = call.dispatch_token();
+  const int64_t row_bytes = call.row_bytes();
   const int64_t num_vectors = row_bytes / kVectorBytes;
-  const int num_scales = args.use_fp8 ? args.hidden / kFp8GroupSize : 0;
+  const int num_scales = call.num_scales();
+  // Combine rows are counted among the token's destination ranks of the combine receiver's scope:
+  // direct, every rank (the home rank sums); hybrid, this node's ranks (the forwarder sums).
+  const int scope_first = call.hybrid() ? call.node_of(view.rank) * call.ranks_per_node() : 0;
   const int64_t num_rows = psum_shared[num_ranks - 1];
   const int64_t first_warp = int64_t{blockIdx.x} * kEpilogueWarps + threadIdx.x / 32;
   const int64_t num_warps = int64_t{gridDim.x} * kEpilogueWarps;
@@ -69,8 +73,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   for (int64_t row = first_warp; row < num_rows; row += num_warps) {
     const int source = source_of_row(psum_shared, num_ranks, row);
     const int64_t slot_index = row - (source > 0 ? psum_shared[source - 1] : 0);
-    const uint8_t* slot = view.local<uint8_t>(
-        args.ht_offset + (int64_t{source} * args.num_max_tokens_per_rank + slot_index) * token.bytes);
+    const uint8_t* slot = view.local<uint8_t>(call.dispatch_slot(source, slot_index));
     int expert = -1;
     int32_t expert_slot = -1;
     float weight = 0.0f;
@@ -82,10 +85,10 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     const int local =
         (expert >= first_local_expert && expert < first_local_expert + num_local) ? expert - first_local_expert : -1;
     const int expert_rank = expert >= 0 ? expert / num_local : -1;
-    // Combine sends this row back to row j of the source's combine area: j = how many of the
-    // token's distinct destination ranks are below this rank.
+    // Combine sends this row back to row j of the source's (hybrid: the forwarder's) combine area:
+    // j = how many of the token's distinct destination ranks in scope are below this rank.
     const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
-    const int combine_row = distinct_ranks_below(expert_rank, first_lanes, view.rank);
+    const int combine_row = distinct_ranks_in(expert_rank, first_lanes, scope_first, view.rank);
     const bool has_meta_row = row < args.num_meta_rows_allocated;
 
     if (!args.do_expand) {
@@ -145,8 +148,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
 
 void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   check_grid_size(args.view, "num_ctas", args.num_ctas);
-  EP_REQUIRE(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  check_call(args.view, args.call);
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");

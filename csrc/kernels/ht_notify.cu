@@ -10,6 +10,12 @@
 // ("count + 1", 0 = not arrived), resets the cells it consumed, and writes the handle's counts and,
 // for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs add the bases
 // and copy topk_idx into the handle.
+//
+// Hybrid mode adds one column per node (a token counts once per node holding one of its experts:
+// node_slot = its row in the scale-out stream to that node) and sends the counts for another
+// node's ranks as one message to the same-rail rank there (scale-out transport). That rank, the
+// forwarder, publishes them into its node-mates' count cells exactly as a direct sender would, and
+// keeps the message's per-channel row prefix for the dispatch forwarder (handle: forward_prefix).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -20,6 +26,7 @@
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
 #include "kernels/routing.cuh"
+#include "kernels/topology_barrier.cuh"
 
 namespace deep_ep::ht {
 namespace {
@@ -29,21 +36,23 @@ constexpr int kNotifyWarps = kNotifyThreads / 32;
 static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
 
 // Phase 1 needs one bitmap word per (warp, column); the exchange needs [R] + [E] + 2 x [L] ints.
-size_t notify_smem_bytes(int num_experts, int num_ranks) {
-  const int64_t num_local = num_experts / num_ranks;
-  const int64_t bitmaps = int64_t{kNotifyWarps} * (num_experts + num_ranks);
-  const int64_t exchange = num_ranks + num_experts + 2 * num_local;
+size_t notify_smem_bytes(const HtCall& call) {
+  const int64_t bitmaps = int64_t{kNotifyWarps} * notify_columns(call);
+  const int64_t exchange = call.num_ranks() + call.num_experts + 2 * call.num_local_experts();
   return sizeof(int32_t) * static_cast<size_t>(std::max(bitmaps, exchange));
 }
 
 __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blocks, int num_columns) {
   const int lane = lane_id();
   const int warp = static_cast<int>(threadIdx.x / 32);
-  const int num_experts = args.num_experts;
-  const int num_local = num_experts / args.view.num_ranks;
-  const int num_topk = args.num_topk;
+  const HtCall& call = args.call;
+  const int num_experts = call.num_experts;
+  const int num_local = call.num_local_experts();
+  const int num_topk = call.num_topk;
+  const int num_nodes = call.hybrid() ? call.num_nodes() : 0;
   uint32_t* expert_bits = smem + warp * num_columns;  // bit = lane (token) of the block
   uint32_t* rank_bits = expert_bits + num_experts;
+  uint32_t* node_bits = rank_bits + call.num_ranks();
   const uint32_t my_bit = 1u << lane;
   const uint32_t lower_lanes = my_bit - 1u;
   for (int block = blockIdx.x * kNotifyWarps + warp; block < num_blocks; block += gridDim.x * kNotifyWarps) {
@@ -60,6 +69,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
         atomicOr(&expert_bits[expert], my_bit);
         // Only this lane sets its bit, so the old value says whether an earlier k hit this rank.
         if ((atomicOr(&rank_bits[expert / num_local], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
+        if (num_nodes > 0) atomicOr(&node_bits[call.node_of(expert / num_local)], my_bit);
       }
     }
     __syncwarp();
@@ -72,6 +82,11 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
         args.expert_slot[entry] = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
         args.dst_slot[entry] =
             ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[expert / num_local] & lower_lanes) : -1;
+      }
+      for (int node = 0; node < num_nodes; ++node) {
+        const uint32_t bits = node_bits[node];
+        args.hybrid.node_slot[int64_t{token} * num_nodes + node] =
+            (bits & my_bit) != 0 ? __popc(bits & lower_lanes) : -1;
       }
     }
     __syncwarp();
@@ -98,39 +113,144 @@ __device__ void scan_columns(const NotifyArgs& args, int num_blocks, int num_col
 }
 
 __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t first_thread, int64_t num_threads) {
-  const int num_experts = args.num_experts;
-  const int num_local = num_experts / args.view.num_ranks;
-  const int64_t num_entries = int64_t{args.num_tokens} * args.num_topk;
+  const HtCall& call = args.call;
+  const int num_experts = call.num_experts;
+  const int num_local = call.num_local_experts();
+  const int num_topk = call.num_topk;
+  const int64_t num_entries = int64_t{args.num_tokens} * num_topk;
   for (int64_t entry = first_thread; entry < num_entries; entry += num_threads) {
     // The handle keeps its own routing (the caller may reuse topk_idx), copied here rather than by
     // a separate launch on the host path, and sanitised: every later kernel (dispatch, cached
     // dispatch, combine) reads this copy, so all agree that a bad or repeated entry is -1.
-    const int expert = routed_expert(args.topk_idx, args.num_topk, entry / args.num_topk,
-                                     static_cast<int>(entry % args.num_topk), num_experts);
+    const int expert =
+        routed_expert(args.topk_idx, num_topk, entry / num_topk, static_cast<int>(entry % num_topk), num_experts);
     args.topk_idx_copy[entry] = expert;
     if (expert < 0) continue;
-    const int64_t block = entry / args.num_topk / kNotifyTokensPerBlock;
+    const int64_t block = entry / num_topk / kNotifyTokensPerBlock;
     const int32_t* bases = args.scratch + block * num_columns;
     args.expert_slot[entry] = __ldcg(args.expert_slot + entry) + __ldcg(bases + expert);
     const int32_t slot = __ldcg(args.dst_slot + entry);
     if (slot >= 0) args.dst_slot[entry] = slot + __ldcg(bases + num_experts + expert / num_local);
   }
+  if (!call.hybrid()) return;
+  const int num_nodes = call.num_nodes();
+  const int64_t node_column = num_experts + call.num_ranks();
+  for (int64_t item = first_thread; item < int64_t{args.num_tokens} * num_nodes; item += num_threads) {
+    const int32_t slot = __ldcg(args.hybrid.node_slot + item);
+    if (slot < 0) continue;
+    const int64_t block = item / num_nodes / kNotifyTokensPerBlock;
+    args.hybrid.node_slot[item] = slot + __ldcg(args.scratch + block * num_columns + node_column + item % num_nodes);
+  }
+}
+
+// Publishes source `source`'s counts for local rank `dest` into dest's count cells: expert cells
+// first, then (released after them) the rank cell that announces them. Values are count + 1.
+__device__ __forceinline__ void publish_counts(const DeviceView& view, int source, int dest, int num_local,
+                                               const int32_t* expert_counts, int32_t rank_count) {
+  for (int local = 0; local < num_local; ++local) {
+    const int64_t cell = WorkspaceLayout::expert_counts_offset + 4 * (int64_t{source} * num_local + local);
+    ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), expert_counts[local] + 1);
+  }
+  ptx::fence_acq_rel_sys();
+  ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{source}),
+                      rank_count + 1);
+}
+
+// Hybrid mode, CTA 0 after the entry barrier: the counts for other nodes' ranks travel as one
+// message per node to the same-rail rank there; the messages this rank receives as forwarder are
+// published into its node-mates' cells. Message to node m: [S rank counts][S x L expert counts]
+// [C + 1 row prefix of the scale-out stream to m, per channel]. Returns false on a timeout.
+__device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* totals, int num_columns,
+                                         int num_blocks) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const int node = call.node_of(view.rank);
+  const int num_nodes = call.num_nodes();
+  const int scaleup = call.ranks_per_node();
+  const int num_local = call.num_local_experts();
+  const int num_channels = args.hybrid.num_channels;
+  const int64_t message_ints = align_up(notify_message_ints(scaleup, num_local, num_channels), 4);
+  const int64_t node_column = call.num_experts + call.num_ranks();
+  const int64_t blocks_per_channel = channel_tokens(args.num_tokens, num_channels) / kNotifyTokensPerBlock;
+  int32_t* outbox = view.local<int32_t>(WorkspaceLayout::notify_send_offset);
+  const int32_t* inbox = view.local<int32_t>(WorkspaceLayout::notify_recv_offset);
+
+  for (int m = 0; m < num_nodes; ++m) {
+    if (threadIdx.x == 0) args.hybrid.node_counts[m] = __ldcg(totals + node_column + m);
+    if (m == node) continue;
+    int32_t* message = outbox + m * message_ints;
+    for (int j = threadIdx.x; j < scaleup; j += blockDim.x)
+      message[j] = __ldcg(totals + call.num_experts + m * scaleup + j);
+    for (int index = threadIdx.x; index < scaleup * num_local; index += blockDim.x) {
+      message[scaleup + index] = __ldcg(totals + int64_t{m} * scaleup * num_local + index);
+    }
+    for (int channel = threadIdx.x; channel <= num_channels; channel += blockDim.x) {
+      const int64_t block = min(int64_t{channel} * blocks_per_channel, int64_t{num_blocks});
+      message[scaleup + scaleup * num_local + channel] = __ldcg(args.scratch + block * num_columns + node_column + m);
+    }
+  }
+  __syncthreads();
+
+  __shared__ scaleout::DeferredQueue queue;
+  const scaleout::WarpGroup group{1, static_cast<int>(blockDim.x), static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, &queue);
+  transport.init(group);
+  group.sync();
+  for (int m = 0; m < num_nodes; ++m) {
+    if (m == node) continue;
+    const int peer = call.rail_peer(view.rank, m);
+    if (threadIdx.x < 32) {
+      transport.put(peer, WorkspaceLayout::notify_recv_offset + 4 * node * message_ints,
+                    WorkspaceLayout::notify_send_offset + 4 * m * message_ints, 4 * message_ints);
+    }
+    transport.signal(group, peer, kSignalNotify + node, 1);
+  }
+  transport.flush(group);
+
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int m = threadIdx.x; m < num_nodes; m += blockDim.x) {
+    if (m == node) continue;
+    const int source = call.rail_peer(view.rank, m);
+    const int id = kSignalNotify + m;
+    if (!scaleout::wait_signal(view, transport, Operation::kHtNotify, Phase::kScaleoutCountsArrive, source, id, 1)) {
+      failed = 1;
+      continue;
+    }
+    scaleout::advance_shadow(view, id, 1);
+    const int32_t* message = inbox + m * message_ints;
+    for (int j = 0; j < scaleup; ++j) {
+      publish_counts(view, source, node * scaleup + j, num_local, message + scaleup + j * num_local, message[j]);
+    }
+    for (int channel = 0; channel <= num_channels; ++channel) {
+      args.hybrid.forward_prefix[m * (num_channels + 1) + channel] = message[scaleup + scaleup * num_local + channel];
+    }
+  }
+  __syncthreads();
+  return failed == 0;
 }
 
 // CTA 0. Returns false on a timeout (recorded; the host sees it).
-__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int32_t* recv_per_source,
-                                int32_t* per_source_expert) {
+__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int num_columns, int num_blocks,
+                                int32_t* recv_per_source, int32_t* per_source_expert) {
   const DeviceView& view = args.view;
+  const HtCall& call = args.call;
   const int num_ranks = view.num_ranks;
-  const int num_experts = args.num_experts;
-  const int num_local = num_experts / num_ranks;
+  const int num_experts = call.num_experts;
+  const int num_local = call.num_local_experts();
+  // Direct: every rank is a destination here. Hybrid: the ranks of this node; the others get
+  // theirs through the scale-out message.
+  const int first_dest = call.hybrid() ? call.node_of(view.rank) * call.ranks_per_node() : 0;
+  const int num_dests = call.hybrid() ? call.ranks_per_node() : num_ranks;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   // No peer may still read its receive area or its count cells from the previous operation.
-  if (!rank_barrier(view, Operation::kHtNotify, args.input_failed)) return false;
+  if (!topology_barrier(view, Operation::kHtNotify, args.input_failed)) return false;
 
   // Expert counts first; the rank count, released after them, announces that all of them landed.
-  for (int expert = threadIdx.x; expert < num_experts; expert += blockDim.x) {
+  for (int index = threadIdx.x; index < num_dests * num_local; index += blockDim.x) {
+    const int expert = first_dest * num_local + index;
     const int dest = expert / num_local;
     const int64_t cell =
         WorkspaceLayout::expert_counts_offset + 4 * (int64_t{view.rank} * num_local + expert % num_local);
@@ -138,10 +258,11 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
   }
   ptx::fence_acq_rel_sys();
   __syncthreads();
-  for (int dest = threadIdx.x; dest < num_ranks; dest += blockDim.x) {
+  for (int dest = first_dest + threadIdx.x; dest < first_dest + num_dests; dest += blockDim.x) {
     ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
                         __ldcg(totals + num_experts + dest) + 1);
   }
+  if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, num_blocks)) return false;
 
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
     int32_t* cell = view.local<int32_t>(WorkspaceLayout::rank_counts_offset + 4 * int64_t{source});
@@ -176,7 +297,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
 __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_source, const int32_t* per_source_expert,
                              int32_t* unaligned, int32_t* aligned) {
   const int num_ranks = args.view.num_ranks;
-  const int num_local = args.num_experts / num_ranks;
+  const int num_local = args.call.num_local_experts();
   const int alignment = args.expert_alignment;
   const CountsLayout layout = counts_layout(num_ranks, num_local);
   int32_t* counts = args.counts;
@@ -237,9 +358,9 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyArgs args) {
   extern __shared__ int32_t smem[];
-  const int num_experts = args.num_experts;
+  const int num_experts = args.call.num_experts;
   const int num_ranks = args.view.num_ranks;
-  const int num_columns = num_experts + num_ranks;
+  const int num_columns = notify_columns(args.call);
   const int num_blocks = (args.num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
 
   count_blocks(args, reinterpret_cast<uint32_t*>(smem), num_blocks, num_columns);
@@ -254,7 +375,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     int32_t* unaligned = per_source_expert + num_experts;
     int32_t* aligned = unaligned + num_local;
     const int32_t* totals = args.scratch + int64_t{num_blocks} * num_columns;
-    if (exchange_counts(args, totals, recv_per_source, per_source_expert)) {
+    if (exchange_counts(args, totals, num_columns, num_blocks, recv_per_source, per_source_expert)) {
       write_counts(args, recv_per_source, per_source_expert, unaligned, aligned);
     }
     if (gridDim.x > 1) return;
@@ -268,18 +389,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
 }  // namespace
 
 void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
-  const int num_ranks = args.view.num_ranks;
   check_grid_size(args.view, "num_sms", args.num_sms);
-  EP_REQUIRE(args.num_experts >= 1 && args.num_experts <= kMaxExperts && args.num_experts % num_ranks == 0,
-             "num_experts must be a multiple of num_ranks (" + std::to_string(num_ranks) + ") in [1, " +
-                 std::to_string(kMaxExperts) + "], got " + std::to_string(args.num_experts));
-  EP_REQUIRE(args.num_topk >= 1 && args.num_topk <= kMaxTopK,
-             "num_topk must be in [1, " + std::to_string(kMaxTopK) + "], got " + std::to_string(args.num_topk));
+  check_call(args.view, args.call);
   EP_REQUIRE(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
-  EP_REQUIRE(args.num_experts / num_ranks + kMappedAlignedExpertCounts <= kMappedReady,
+  EP_REQUIRE(args.call.num_local_experts() + kMappedAlignedExpertCounts <= kMappedReady,
              "too many local experts for the host-mapped counters");
-  const size_t smem = notify_smem_bytes(args.num_experts, num_ranks);
+  check_hybrid_routing(args.call, args.hybrid, args.num_tokens);
+  const size_t smem = notify_smem_bytes(args.call);
   // Up to 48 KiB of dynamic shared memory needs no opt-in; the attribute call costs host time on
   // every launch, so it is made only for the large-E shapes that need it.
   if (static_cast<int64_t>(smem) > kDefaultDynamicSharedBytes) {

@@ -20,6 +20,11 @@ DeviceView view_with_cap(int max_num_sms) {
   return view;
 }
 
+// A 2-rank direct call shape: T_max 1, hidden 8, top-2 of 8 experts, bf16.
+HtCall small_call(int num_scaleup_ranks = 2) {
+  return make_ht_call(Topology{2, num_scaleup_ranks}, 0, 1, 8, 2, 8, false);
+}
+
 template <typename Launch>
 std::string refusal(Launch&& launch) {
   try {
@@ -42,38 +47,56 @@ TEST(GridSizeCheck, NamesTheCapAndTheValue) {
 TEST(GridSizeCheck, HighThroughputLaunchersRefuseAGridAboveTheCap) {
   ht::NotifyArgs notify;
   notify.view = view_with_cap(4);
-  notify.num_experts = 8;
-  notify.num_topk = 2;
+  notify.call = small_call();
   notify.num_sms = 5;
   EXPECT_NE(refusal([&] { ht::launch_notify(notify, nullptr); }).find("got 5"), std::string::npos);
 
   ht::DispatchArgs dispatch;
   dispatch.view = view_with_cap(4);
-  dispatch.num_experts = 8;
-  dispatch.num_topk = 2;
-  dispatch.hidden = 8;
-  dispatch.num_max_tokens_per_rank = 1;
+  dispatch.call = small_call();
   dispatch.num_sms = 8;
   EXPECT_NE(refusal([&] { ht::launch_dispatch(dispatch, nullptr); }).find("got 8"), std::string::npos);
 
   ht::CombineArgs combine;
   combine.view = view_with_cap(4);
-  combine.num_topk = 2;
-  combine.hidden = 8;
+  combine.call = small_call();
   combine.num_sms = 6;
   EXPECT_NE(refusal([&] { ht::launch_combine(combine, nullptr); }).find("got 6"), std::string::npos);
 
   ht::EpilogueArgs epilogue;
   epilogue.view = view_with_cap(4);
+  epilogue.call = small_call();
   epilogue.num_ctas = 9;
   EXPECT_NE(refusal([&] { ht::launch_dispatch_epilogue(epilogue, nullptr); }).find("num_ctas"), std::string::npos);
 
   ht::ReduceArgs reduce;
   reduce.view = view_with_cap(4);
-  reduce.num_topk = 2;
-  reduce.hidden = 8;
+  reduce.call = small_call();
   reduce.num_ctas = 7;
   EXPECT_NE(refusal([&] { ht::launch_combine_reduce(reduce, nullptr); }).find("got 7"), std::string::npos);
+}
+
+// The mode follows from the buffer's topology: a call described for another topology (a hybrid
+// shape on a direct buffer, here) is refused before any launch.
+TEST(CallCheck, LaunchersRefuseACallOfAnotherTopology) {
+  ht::DispatchArgs dispatch;
+  dispatch.view = view_with_cap(4);
+  dispatch.call = small_call(1);
+  dispatch.num_sms = 1;
+  const std::string message = refusal([&] { ht::launch_dispatch(dispatch, nullptr); });
+  EXPECT_NE(message.find("another topology"), std::string::npos) << message;
+}
+
+// Hybrid launches need the handle's hybrid arrays.
+TEST(CallCheck, HybridLaunchNeedsTheHybridArrays) {
+  DeviceView view = view_with_cap(4);
+  view.num_scaleup_ranks = 1;
+  ht::CombineArgs combine;
+  combine.view = view;
+  combine.call = small_call(1);
+  combine.num_sms = 1;
+  const std::string message = refusal([&] { ht::launch_combine(combine, nullptr); });
+  EXPECT_NE(message.find("num_channels"), std::string::npos) << message;
 }
 
 }  // namespace

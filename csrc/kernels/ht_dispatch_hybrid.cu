@@ -1,0 +1,213 @@
+// HT dispatch, hybrid mode: a token crosses to another node once, to the rank with this rank's
+// local index there (the rail peer), which forwards it to the ranks of its node holding the
+// token's experts. Destinations on this rank's own node are stored directly, as in direct mode.
+// The final receive slots, their contents and their order are exactly direct mode's, so the
+// epilogue is shared and the outputs are bitwise equal.
+//
+// Each CTA runs two roles at once (every CTA of the grid is resident, so they cannot starve):
+//   sender warps     channel c = a contiguous range of whole notify blocks of own tokens. Per batch
+//                    (one token per sender warp): home-node copies; for remote nodes, stage the
+//                    scale-out row once (dispatch slot + K destination slots) and put it to the
+//                    rail peer's row [my node][node_slot]; then one signal per node (rows added).
+//                    Rows of a channel are put in ordinal order and each signal covers the puts
+//                    before it, so "signal >= r + 1" means rows [0, r] of the stream landed.
+//   forwarder warps  stream (source node m, channel c): wait for row r's signal, then copy the
+//                    row's slot prefix into the final slot [source rank][slot] of each rank of this
+//                    node that holds one of its experts; keep the row's source token and experts
+//                    for combine (handle: forward_token / forward_topk).
+// The end is a node barrier: the epilogue reads only slots written by its own node.
+#include <string>
+
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
+#include "kernels/barrier.cuh"
+#include "kernels/high_throughput.hpp"
+#include "kernels/ht_common.cuh"
+#include "kernels/scaleout.cuh"
+#include "kernels/topology_barrier.cuh"
+
+namespace deep_ep::ht {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kSenderWarps = 8;
+constexpr int kForwarderWarps = kThreads / 32 - kSenderWarps;
+constexpr int kSenderBarrier = 2;  // named barrier of the sender warps (1: whole-CTA transport group)
+constexpr int kCopyUnroll = 4;
+
+__device__ __forceinline__ int rows_signal(int source_node, int channel) {
+  return kSignalRows + source_node * kMaxChannels + channel;
+}
+
+__device__ void send(const DispatchArgs& args, scaleout::DeferredQueue* queue, int* batch_rows) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const HybridRouting& hybrid = args.hybrid;
+  const int lane = lane_id();
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int num_topk = call.num_topk;
+  const int num_nodes = call.num_nodes();
+  const int node = call.node_of(view.rank);
+  const auto* x = static_cast<const uint8_t*>(args.x);
+  const bool has_weights = args.topk_weights != nullptr;
+  const scaleout::WarpGroup group{kSenderBarrier, kSenderWarps * 32, static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, queue);
+  transport.init(group);
+  for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
+  group.sync();
+
+  const int64_t per_channel = channel_tokens(args.num_tokens, hybrid.num_channels);
+  for (int channel = blockIdx.x; channel < hybrid.num_channels; channel += gridDim.x) {
+    const int64_t begin = channel * per_channel;
+    const int64_t end = min(begin + per_channel, int64_t{args.num_tokens});
+    for (int64_t batch = begin; batch < end; batch += kSenderWarps) {
+      const int t = static_cast<int>(batch + warp);
+      if (t < end) {
+        const int64_t entry = int64_t{t} * num_topk + lane;
+        int expert = -1;
+        int32_t slot = -1;
+        int32_t expert_slot = -1;
+        float weight = 0.0f;
+        if (lane < num_topk) {
+          expert = handle_expert(args.topk_idx, entry, call.num_experts);
+          slot = args.dst_slot[entry];
+          expert_slot = args.expert_slot[entry];
+          if (has_weights) weight = args.topk_weights[entry];
+        }
+        const int expert_rank = expert >= 0 ? call.rank_of_expert(expert) : -1;
+        const bool home = slot >= 0 && expert >= 0 && call.node_of(expert_rank) == node;
+        const uint32_t home_lanes = __ballot_sync(kFullMask, home);
+        if (home_lanes != 0) {
+          uint8_t* my_slot = home ? view.peer<uint8_t>(expert_rank, call.dispatch_slot(view.rank, slot)) : nullptr;
+          store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, has_weights, t, expert, expert_slot, weight,
+                                           home_lanes, my_slot);
+        }
+        const bool remote = expert >= 0 && call.node_of(expert_rank) != node;
+        if (__ballot_sync(kFullMask, remote) != 0) {
+          // Stage the scale-out row once: the dispatch slot, then the K destination slots.
+          uint8_t* staging = view.local<uint8_t>(call.scaleout_send_slot(t));
+          store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, has_weights, t, expert, expert_slot, weight, 1u,
+                                           lane == 0 ? staging : nullptr);
+          if (lane < num_topk) {
+            reinterpret_cast<int32_t*>(staging + call.scaleout_dst_slot_offset())[lane] = expert >= 0 ? slot : -1;
+          }
+          __syncwarp();
+          for (int m = 0; m < num_nodes; ++m) {
+            const int32_t ordinal = m == node ? -1 : hybrid.node_slot[int64_t{t} * num_nodes + m];
+            if (ordinal < 0) continue;
+            transport.put(call.rail_peer(view.rank, m), call.scaleout_recv_slot(node, ordinal),
+                          call.scaleout_send_slot(t), call.layout.scaleout_row_bytes);
+            if (lane == 0) atomicAdd(&batch_rows[m], 1);
+          }
+        }
+      }
+      // One signal per node with rows in this batch; it covers every put of the batch to that peer.
+      group.sync();
+      for (int m = 0; m < num_nodes; ++m) {
+        const int rows = batch_rows[m];
+        if (rows > 0) transport.signal(group, call.rail_peer(view.rank, m), rows_signal(node, channel), rows);
+      }
+      group.sync();
+      for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
+      group.sync();
+    }
+  }
+  // Staging rows are rewritten by the next operation, after its entry barrier.
+  transport.flush(group);
+}
+
+__device__ void forward(const DispatchArgs& args) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const HybridRouting& hybrid = args.hybrid;
+  const int lane = lane_id();
+  const int forwarder = static_cast<int>(threadIdx.x / 32) - kSenderWarps;
+  const int num_topk = call.num_topk;
+  const int num_channels = hybrid.num_channels;
+  const int node = call.node_of(view.rank);
+  const TokenLayout& token = call.dispatch_token();
+  const scaleout::Transport transport(view, nullptr);
+
+  for (int stream = blockIdx.x; stream < call.num_nodes() * num_channels; stream += gridDim.x) {
+    const int m = stream / num_channels;
+    const int channel = stream % num_channels;
+    if (m == node) continue;
+    const int source = call.rail_peer(view.rank, m);
+    const int32_t* prefix = hybrid.forward_prefix + m * (num_channels + 1);
+    // Clamped to [0, T_max]: a rank taking part without input may hold a smaller T_max than its
+    // peers, and a prefix is never trusted to address past the arrays.
+    const int64_t first_row = max_of(0, min_of(prefix[channel], call.num_max_tokens()));
+    const int64_t end_row = max_of(first_row, min_of(prefix[channel + 1], call.num_max_tokens()));
+    const int32_t rows = static_cast<int32_t>(end_row - first_row);
+    for (int32_t r = forwarder; r < rows; r += kForwarderWarps) {
+      bool arrived = true;
+      if (lane == 0) {
+        arrived = scaleout::wait_signal(view, transport, Operation::kHtDispatch, Phase::kScaleoutRowsArrive, source,
+                                        rows_signal(m, channel), r + 1);
+      }
+      if (__shfl_sync(kFullMask, arrived ? 1 : 0, 0) == 0) return;
+      const int64_t ordinal = first_row + r;
+      const uint8_t* row = view.local<uint8_t>(call.scaleout_recv_slot(m, ordinal));
+      int expert = -1;
+      int32_t slot = -1;
+      if (lane < num_topk) {
+        const int32_t id = __ldcg(reinterpret_cast<const int32_t*>(row + token.topk_idx_offset) + lane);
+        expert = (id >= 0 && id < call.num_experts) ? id : -1;
+        slot = __ldcg(reinterpret_cast<const int32_t*>(row + call.scaleout_dst_slot_offset()) + lane);
+      }
+      const int expert_rank = expert >= 0 ? call.rank_of_expert(expert) : -1;
+      const bool mine = slot >= 0 && expert >= 0 && call.node_of(expert_rank) == node;
+      const uint32_t dst_lanes = __ballot_sync(kFullMask, mine);
+      uint8_t* my_dst = mine ? view.peer<uint8_t>(expert_rank, call.dispatch_slot(source, slot)) : nullptr;
+      warp_copy_to_lanes<kCopyUnroll, true>(reinterpret_cast<const int4*>(row), token.bytes / kVectorBytes, dst_lanes,
+                                            reinterpret_cast<int4*>(my_dst));
+      const int64_t kept = int64_t{m} * call.num_max_tokens() + ordinal;
+      if (lane < num_topk) hybrid.forward_topk[kept * num_topk + lane] = expert;
+      if (lane == 0) hybrid.forward_token[kept] = __ldcg(reinterpret_cast<const int32_t*>(row + token.src_offset));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const DispatchArgs args) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  __shared__ scaleout::DeferredQueue queue;
+  __shared__ int batch_rows[kMaxNodes];
+  // After a timeout (the notify kernel before this one included) the handle's forward prefix was
+  // never written: leave at once (the buffer refuses further work until destroy()).
+  if (error_recorded(view)) return;
+  if (args.entry_barrier) {
+    // Cached dispatch: no notify kernel passed the entry barrier for us.
+    if (blockIdx.x == 0 && !topology_barrier(view, Operation::kHtDispatch, args.input_failed)) return;
+    if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
+  }
+  if (threadIdx.x / 32 < kSenderWarps) {
+    send(args, &queue, batch_rows);
+  } else {
+    forward(args);
+  }
+  if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
+  // Every row stream this CTA forwarded is consumed: the next operation expects from here.
+  const int num_channels = args.hybrid.num_channels;
+  const int node = call.node_of(view.rank);
+  for (int stream = blockIdx.x; stream < call.num_nodes() * num_channels; stream += gridDim.x) {
+    const int m = stream / num_channels;
+    const int channel = stream % num_channels;
+    if (m == node || threadIdx.x != 0) continue;
+    const int32_t* prefix = args.hybrid.forward_prefix + m * (num_channels + 1);
+    scaleout::advance_shadow(view, rows_signal(m, channel), prefix[channel + 1] - prefix[channel]);
+  }
+  // The final slots of this node's ranks are written by this node's ranks only.
+  if (blockIdx.x == 0) {
+    group_barrier(view, Operation::kHtDispatch, node * call.ranks_per_node(), call.ranks_per_node());
+  }
+}
+
+}  // namespace
+
+void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  hybrid_dispatch_kernel<<<args.num_sms, kThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht hybrid_dispatch_kernel");
+}
+
+}  // namespace deep_ep::ht
