@@ -13,6 +13,15 @@ With --baseline, the same ranks also time dispatch and combine built from all_to
 (benchmarks/a2a_baseline.py) on the same bf16 inputs: rows baseline_dispatch_bf16 and
 baseline_combine_bf16 (num_sms 0: NCCL picks its own channels), and speedup_vs_baseline (baseline
 time / our time) on the dispatch_bf16 and combine_bf16 rows.
+
+With --num-ranks-per-node S[,S...], the same operations also run on a buffer built with
+num_ranks_per_node=S and allow_hybrid_mode=True (hybrid HT mode when S < the group size; a value
+equal to the group size is the direct run), after the default buffer's run: every row carries
+``mode`` (the buffer's ``ht_mode``, 'direct' or 'hybrid') and ``num_ranks_per_node`` (None for the
+default buffer). Hybrid rows also carry the scale-out copies per token: measured
+(``handle.stats['scaleout_copies']`` of the dispatch / the rank's tokens; None, printed 'n/a', when
+the handle has no such stat) and planned (``deep_ep.plan.cross_node_copies(...)['per_node']`` of the
+same routing).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from a2a_baseline import a2a_combine, a2a_dispatch
 from bench_common import copy_bandwidth_gbs, run_ranks, save_summary
 
 import deep_ep
+from deep_ep.plan import cross_node_copies
 
 HIDDEN = 7168
 TOPK = 8
@@ -55,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--baseline", action="store_true", help="also time the all_to_all_single baseline")
     parser.add_argument(
+        "--num-ranks-per-node",
+        default="",
+        help="comma list of ranks per node S: also run each operation on a buffer with num_ranks_per_node=S "
+        "(hybrid HT mode when S < the group size); default: the default buffer only",
+    )
+    parser.add_argument(
         "--host-profile", action="store_true", help="print a cProfile of 200 uncached fp8 dispatch calls (rank 0)"
     )
     return parser.parse_args(argv)
@@ -62,6 +78,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
     return OPERATIONS + BASELINE_OPERATIONS if config.get("baseline") else OPERATIONS
+
+
+def parse_ranks_per_node(text: str) -> list[int]:
+    """``--num-ranks-per-node``: comma list of positive ints, duplicates dropped (empty: none)."""
+    values = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"--num-ranks-per-node must be a comma list of positive ints, got {text!r}") from None
+        if value < 1:
+            raise ValueError(f"--num-ranks-per-node values must be >= 1, got {value}")
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def buffer_layouts(num_ranks: int, ranks_per_node: list[int]) -> list[int | None]:
+    """Buffers to run, in order: the default one (None), then one per requested S. S equal to the
+    group size is the default run again and is skipped; S must divide the group size."""
+    bad = [value for value in ranks_per_node if value < 1 or num_ranks % value != 0]
+    if bad:
+        raise ValueError(f"--num-ranks-per-node values must divide the group size {num_ranks}, got {bad}")
+    return [None] + [value for value in dict.fromkeys(ranks_per_node) if value != num_ranks]
+
+
+def scaleout_stats(handle, num_tokens: int) -> dict[str, Any]:
+    """Scale-out copies this rank's dispatch put on the network, from ``handle.stats`` (None where the
+    handle does not report them): ``scaleout_copies``, ``scaleout_bytes`` and copies per token."""
+    stats = getattr(handle, "stats", None)
+    stats = stats if isinstance(stats, dict) else {}
+
+    def total(key: str) -> int | None:
+        value = stats.get(key)
+        if value is None:
+            return None
+        return int(value.sum().item()) if isinstance(value, torch.Tensor) else int(value)
+
+    copies, num_bytes = total("scaleout_copies"), total("scaleout_bytes")
+    per_token = copies / num_tokens if copies is not None and num_tokens > 0 else None
+    return {"scaleout_copies": copies, "scaleout_bytes": num_bytes, "scaleout_copies_per_token": per_token}
+
+
+def planned_scaleout_copies(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int, rank: int
+) -> float | None:
+    """Copies per token that leave this rank's node when each token crosses once per other node
+    holding one of its experts (the planner's ``per_node``); None without tokens."""
+    if topk_idx.shape[0] == 0:
+        return None
+    copies = cross_node_copies(
+        topk_idx, num_experts, num_ranks, num_ranks_per_node, src_node=rank // num_ranks_per_node
+    )
+    return copies["per_node"]
 
 
 # --------------------------------------------------------------------------- measurements
@@ -143,14 +214,26 @@ def make_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, s
     return x, topk_idx, weights
 
 
-def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every operation at one token count, once per requested SM count (0: the estimate)."""
+def bench_tokens(
+    buffer, rank: int, num_tokens: int, config: dict[str, Any], num_ranks_per_node: int | None = None
+) -> list[dict[str, Any]]:
+    """Every operation at one token count, once per requested SM count (0: the estimate).
+
+    ``num_ranks_per_node``: what the buffer was built with (None: the default buffer, the only one
+    that runs the baseline and the host profile)."""
     hidden, num_topk, num_experts = config["hidden"], config["num_topk"], config["num_experts"]
     x, topk_idx, weights = make_inputs(num_tokens, hidden, num_experts, num_topk, seed=1000 * rank + num_tokens)
     x_fp8 = deep_ep.per_token_cast_to_fp8(x)
+    mode = getattr(buffer, "ht_mode", "direct")
+    default_layout = num_ranks_per_node is None
+    planned = None
+    if mode == "hybrid" and num_ranks_per_node is not None:
+        planned = planned_scaleout_copies(topk_idx, num_experts, buffer.num_ranks, num_ranks_per_node, rank)
     results = []
 
-    def measure(name: str, operation, requested_sms: int, num_sms: int, num_recv_tokens: int) -> None:
+    def measure(
+        name: str, operation, requested_sms: int, num_sms: int, num_recv_tokens: int, extra: dict | None = None
+    ) -> None:
         times, host_us = timed_runs(buffer, operation, config["warmup"], config["iters"])
         times.sort()
         results.append(
@@ -165,6 +248,9 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
                 "requested_num_sms": requested_sms,
                 "num_sms": num_sms,
                 "kernels_us": kernel_times_us(buffer, operation),
+                "mode": mode,
+                "num_ranks_per_node": num_ranks_per_node,
+                **(extra or {}),
             }
         )
 
@@ -185,15 +271,18 @@ def bench_tokens(buffer, rank: int, num_tokens: int, config: dict[str, Any]) -> 
 
     for requested in config["num_sms"]:
         operations, handle = operations_at(requested)
+        extra = None
+        if mode == "hybrid":
+            extra = {**scaleout_stats(handle, num_tokens), "scaleout_copies_per_token_planned": planned}
         for name, operation in operations.items():
-            measure(name, operation, requested, handle.num_sms, handle.num_recv_tokens)
-        if config.get("host_profile") and requested == config["num_sms"][0]:
+            measure(name, operation, requested, handle.num_sms, handle.num_recv_tokens, extra)
+        if config.get("host_profile") and default_layout and requested == config["num_sms"][0]:
             # Every rank makes the calls (the count exchange needs them all); rank 0 prints.
             profile_text = host_profile(operations["dispatch_fp8"])
             if rank == 0:
                 print(f"[bench_ht] host profile, dispatch_fp8, T={num_tokens}:\n{profile_text}")
 
-    if config.get("baseline"):
+    if config.get("baseline") and default_layout:
         group = buffer.group
         baseline_x, baseline_handle = a2a_dispatch(x, topk_idx, num_experts, group)
         if baseline_handle.num_recv_tokens != handle.num_recv_tokens:
@@ -223,16 +312,25 @@ def bench_rank(rank: int, num_ranks: int, group, config: dict[str, Any]) -> dict
     bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
     dist.barrier(group=group)
 
-    buffer = deep_ep.ElasticBuffer(
-        group, num_max_tokens_per_rank=max(tokens), hidden=hidden, num_topk=num_topk, explicitly_destroy=True
-    )
     results = []
-    try:
-        for num_tokens in tokens:
-            results += bench_tokens(buffer, rank, num_tokens, config)
-            buffer._check_device_errors()
-    finally:
-        buffer.destroy()
+    for num_ranks_per_node in buffer_layouts(num_ranks, config.get("num_ranks_per_node", [])):
+        layout = {} if num_ranks_per_node is None else {"num_ranks_per_node": num_ranks_per_node}
+        if num_ranks_per_node is not None:
+            layout["allow_hybrid_mode"] = True
+        buffer = deep_ep.ElasticBuffer(
+            group,
+            num_max_tokens_per_rank=max(tokens),
+            hidden=hidden,
+            num_topk=num_topk,
+            explicitly_destroy=True,
+            **layout,
+        )
+        try:
+            for num_tokens in tokens:
+                results += bench_tokens(buffer, rank, num_tokens, config, num_ranks_per_node)
+                buffer._check_device_errors()
+        finally:
+            buffer.destroy()
     return {"rank": rank, "gpu": gpu_of_rank[rank], "copy_gbs": bandwidth, "results": results}
 
 
@@ -246,21 +344,33 @@ def token_bytes(operation: str, hidden: int) -> int:
     return hidden * 2
 
 
+def result_key(result: dict[str, Any]) -> tuple[int, str, int, int | None]:
+    """(T, operation, requested SMs, num_ranks_per_node of the buffer: None for the default one)."""
+    return (result["num_tokens"], result["operation"], result["requested_num_sms"], result.get("num_ranks_per_node"))
+
+
+def ordered_keys(results: list[dict[str, Any]]) -> list[tuple[int, str, int, int | None]]:
+    """Row order: (T, operation, requested SMs) as first measured, and within one of them the
+    buffers in the order they ran, so direct and hybrid rows of an operation sit side by side."""
+    keys = [result_key(r) for r in results]
+    groups = {key[:3]: index for index, key in reversed(list(enumerate(keys)))}
+    layouts = {key[3]: index for index, key in reversed(list(enumerate(keys)))}
+    return sorted(dict.fromkeys(keys), key=lambda key: (groups[key[:3]], layouts[key[3]]))
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if not values or any(value is None for value in values) else sum(values) / len(values)
+
+
 def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
     hidden = config["hidden"]
     gpus = sorted({tuple(item["gpu"]) for item in per_rank})
     bandwidth = {gpu: next(item["copy_gbs"] for item in per_rank if tuple(item["gpu"]) == gpu) for gpu in gpus}
     rows = []
-    keys = [(r["num_tokens"], r["operation"], r["requested_num_sms"]) for r in per_rank[0]["results"]]
-    for num_tokens, operation, requested in keys:
-        entries = [
-            next(
-                r
-                for r in item["results"]
-                if (r["num_tokens"], r["operation"], r["requested_num_sms"]) == (num_tokens, operation, requested)
-            )
-            for item in per_rank
-        ]
+    by_key = [{result_key(r): r for r in item["results"]} for item in per_rank]
+    for key in ordered_keys(per_rank[0]["results"]):
+        num_tokens, operation, requested, num_ranks_per_node = key
+        entries = [results[key] for results in by_key]
         per_token = token_bytes(operation, hidden)
         time_us = max(entry["median_us"] for entry in entries)
         gbs = [per_token * entry["num_recv_tokens"] / (entry["median_us"] * 1e-6) / 1e9 for entry in entries]
@@ -291,8 +401,12 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 "requested_num_sms": requested,
                 "num_sms": entries[0]["num_sms"],
                 "kernels_us_max_over_ranks": kernels,
+                "mode": entries[0].get("mode", "direct"),
+                "num_ranks_per_node": num_ranks_per_node,
             }
         )
+        if rows[-1]["mode"] == "hybrid":
+            rows[-1].update(scaleout_summary(entries))
     if config.get("baseline"):
         add_speedups(rows, config["num_sms"][0])
     return {
@@ -302,6 +416,21 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
         "copy_gbs_per_gpu": list(bandwidth.values()),
         "rows": rows,
         "num_sms_sweep": sweep_summary(rows),
+    }
+
+
+def scaleout_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Scale-out copies per token of a hybrid row: per rank and the mean over ranks (None, printed
+    'n/a', where a rank's handle did not report them), measured and planned."""
+    measured = [entry.get("scaleout_copies_per_token") for entry in entries]
+    planned = [entry.get("scaleout_copies_per_token_planned") for entry in entries]
+    return {
+        "scaleout_copies_per_rank": [entry.get("scaleout_copies") for entry in entries],
+        "scaleout_bytes_per_rank": [entry.get("scaleout_bytes") for entry in entries],
+        "scaleout_copies_per_token_per_rank": measured,
+        "scaleout_copies_per_token": _mean_or_none(measured),
+        "scaleout_copies_per_token_planned_per_rank": planned,
+        "scaleout_copies_per_token_planned": _mean_or_none(planned),
     }
 
 
@@ -318,11 +447,16 @@ def add_speedups(rows: list[dict[str, Any]], requested_sms: int) -> None:
 
 
 def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (T, operation) run at several SM counts including the estimate (requested 0): the best
-    measured GB/s, the SM count that gave it, and the estimate's GB/s as a fraction of the best."""
+    """Per (T, operation, buffer) run at several SM counts including the estimate (requested 0): the
+    best measured GB/s, the SM count that gave it, and the estimate's GB/s as a fraction of the best."""
     summary = []
-    for num_tokens, operation in dict.fromkeys((row["num_tokens"], row["operation"]) for row in rows):
-        runs = [r for r in rows if r["num_tokens"] == num_tokens and r["operation"] == operation]
+
+    def group(row: dict[str, Any]) -> tuple[int, str, int | None]:
+        return row["num_tokens"], row["operation"], row.get("num_ranks_per_node")
+
+    for key in dict.fromkeys(group(row) for row in rows):
+        num_tokens, operation, num_ranks_per_node = key
+        runs = [r for r in rows if group(r) == key]
         estimate = next((r for r in runs if r["requested_num_sms"] == 0), None)
         if estimate is None or len(runs) < 2:
             continue
@@ -331,6 +465,8 @@ def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "num_tokens": num_tokens,
                 "operation": operation,
+                "mode": estimate.get("mode", "direct"),
+                "num_ranks_per_node": num_ranks_per_node,
                 "gbs_by_num_sms": {str(r["num_sms"]): r["gbs_per_rank_mean"] for r in runs},
                 "best_num_sms": best["num_sms"],
                 "best_gbs": best["gbs_per_rank_mean"],
@@ -353,16 +489,22 @@ def plot(summary: dict[str, Any], path: str) -> None:
     figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     left, right = axes[0], axes[1]
     primary = summary["config"]["num_sms"][0]
-    for operation in operation_names(summary["config"]):
-        rows = [
-            row
-            for row in summary["rows"]
-            if row["operation"] == operation
-            and (row["operation"].startswith("baseline_") or row["requested_num_sms"] == primary)
-        ]
-        tokens = [row["num_tokens"] for row in rows]
-        left.plot(tokens, [row["gbs_per_rank_mean"] for row in rows], marker="o", label=operation)
-        right.plot(tokens, [row["floor_fraction"] for row in rows], marker="o", label=operation)
+    layouts = list(dict.fromkeys(row.get("num_ranks_per_node") for row in summary["rows"]))
+    for layout in layouts:
+        for operation in operation_names(summary["config"]):
+            rows = [
+                row
+                for row in summary["rows"]
+                if row["operation"] == operation
+                and row.get("num_ranks_per_node") == layout
+                and (row["operation"].startswith("baseline_") or row["requested_num_sms"] == primary)
+            ]
+            if not rows:
+                continue
+            label = operation + layout_label(rows[0])
+            tokens = [row["num_tokens"] for row in rows]
+            left.plot(tokens, [row["gbs_per_rank_mean"] for row in rows], marker="o", label=label)
+            right.plot(tokens, [row["floor_fraction"] for row in rows], marker="o", label=label)
     for axis, label in ((left, "GB/s per rank (DeepEP-style)"), (right, "fraction of the HBM floor")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("tokens per rank (T)")
@@ -376,7 +518,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
             if item["num_tokens"] != largest:
                 continue
             points = sorted((int(sms), gbs) for sms, gbs in item["gbs_by_num_sms"].items())
-            line = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=item["operation"])
+            label = item["operation"] + layout_label(item)
+            line = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
             axis.plot(
                 [item["estimate_num_sms"]], [item["estimate_gbs"]], marker="*", markersize=14, color=line[0].get_color()
             )
@@ -392,29 +535,60 @@ def plot(summary: dict[str, Any], path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def layout_label(row: dict[str, Any]) -> str:
+    """'' for the default buffer's rows, else ' [<mode> S=<num_ranks_per_node>]'."""
+    if row.get("num_ranks_per_node") is None:
+        return ""
+    return f" [{row.get('mode', 'direct')} S={row['num_ranks_per_node']}]"
+
+
+def format_copies(row: dict[str, Any], key: str) -> str:
+    """A scale-out copies-per-token figure for the table: '-' off hybrid rows, 'n/a' if not reported."""
+    if row.get("mode") != "hybrid":
+        return "-"
+    value = row.get(key)
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
     save_summary(summary, out_dir, "bench_ht", plot)
     # 20 columns fit our operation names (the committed tables); the baseline's are longer.
     width = max([20] + [len(row["operation"]) + 1 for row in summary["rows"]])
+    # Mode, S and the scale-out columns only when --num-ranks-per-node asked for more buffers.
+    layouts = bool(summary["config"].get("num_ranks_per_node")) or any(
+        row.get("num_ranks_per_node") is not None for row in summary["rows"]
+    )
+    mode_header = f"{'mode':<6} {'S':>3} " if layouts else ""
+    copies_header = f" {'so/tok':>7} {'plan':>6}" if layouts else ""
     print(
-        f"{'T':>6} {'operation':<{width}} {'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4} {'host us':>8}"
-        "  kernels (us)"
+        f"{'T':>6} {'operation':<{width}} {mode_header}{'time us':>9} {'GB/s/rank':>10} {'floor':>6} {'SMs':>4} "
+        f"{'host us':>8}{copies_header}  kernels (us)"
     )
     for row in summary["rows"]:
         kernels = " ".join(
             f"{name.removesuffix('_kernel')}={value:.0f}" for name, value in row["kernels_us_max_over_ranks"].items()
         )
+        mode, copies = "", ""
+        if layouts:
+            node_size = row.get("num_ranks_per_node")
+            mode = f"{row.get('mode', 'direct'):<6} {'-' if node_size is None else node_size:>3} "
+            measured = format_copies(row, "scaleout_copies_per_token")
+            copies = f" {measured:>7} {format_copies(row, 'scaleout_copies_per_token_planned'):>6}"
         print(
-            f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['time_us']:>9.1f} "
+            f"{row['num_tokens']:>6} {row['operation']:<{width}} {mode}{row['time_us']:>9.1f} "
             f"{row['gbs_per_rank_mean']:>10.1f} {row['floor_fraction']:>6.2f} {row['num_sms']:>4} "
-            f"{row.get('host_us_max_over_ranks', 0.0):>8.0f}  {kernels}"
+            f"{row.get('host_us_max_over_ranks', 0.0):>8.0f}{copies}  {kernels}"
         )
     for row in summary["rows"]:
         if "speedup_vs_baseline" in row:
-            print(f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['speedup_vs_baseline']:.2f}x the baseline")
+            print(
+                f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['speedup_vs_baseline']:.2f}x the baseline"
+                f"{layout_label(row)}"
+            )
     for item in summary["num_sms_sweep"]:
         print(
-            f"{item['num_tokens']:>6} {item['operation']:<{width}} best {item['best_gbs']:.1f} GB/s at "
+            f"{item['num_tokens']:>6} {item['operation']:<{width}}{layout_label(item)} "
+            f"best {item['best_gbs']:.1f} GB/s at "
             f"{item['best_num_sms']} SMs; estimate {item['estimate_num_sms']} SMs gives {item['estimate_gbs']:.1f} "
             f"({item['estimate_fraction_of_best']:.2f} of best)"
         )
@@ -435,6 +609,15 @@ def main(argv: list[str] | None = None) -> None:
         config["baseline"] = True
     if args.host_profile:
         config["host_profile"] = True
+    try:
+        ranks_per_node = parse_ranks_per_node(args.num_ranks_per_node)
+        if ranks_per_node:
+            # Fail before starting any rank (the group size is WORLD_SIZE under torchrun).
+            buffer_layouts(int(os.environ.get("WORLD_SIZE", args.num_ranks)), ranks_per_node)
+    except ValueError as error:
+        raise SystemExit(f"bench_ht: {error}") from None
+    if ranks_per_node:
+        config["num_ranks_per_node"] = ranks_per_node
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:
         write_outputs(summarize(per_rank, config), args.out)

@@ -152,20 +152,34 @@ def ht_combine(
     weights_list: list[torch.Tensor] | None = None,
     biases: list[BiasInput] | None = None,
     do_expand: bool = False,
+    num_ranks_per_node: int | None = None,
 ) -> list[dict]:
     """What combine returns on every source rank: ``{"x": bf16 [T, H], "topk_weights": fp32 [T, K] or None}``.
 
     ``ys[d]`` holds one bf16 row per row of ``dispatch_results[d]`` (expand padding is ignored).
-    Per token, in fp32 starting at 0.0: add ``bias0``, then ``bias1``, then the contribution of
-    each destination rank in ascending order, then round to bf16 once (nearest even). A
-    contribution is the received row (non-expand) or, in expand mode, the fp32 sum of the
-    token's rows at that rank in ascending local-expert order, rounded to bf16 because that
-    partial travels as bf16. Combined weights: slot ``k`` is read from the rank owning expert
+    The contribution ``c_d`` of destination rank ``d`` to a token is the received row
+    (non-expand) or, in expand mode, the fp32 sum (from 0.0) of the token's rows at that rank
+    in ascending local-expert order, rounded to bf16 because that partial travels as bf16.
+
+    Direct order (``num_ranks_per_node`` None or R), per token, in fp32 starting at 0.0: add
+    ``bias0``, then ``bias1``, then ``c_d`` of each of the token's destination ranks in ascending
+    order, then round to bf16 once (nearest even).
+
+    Hybrid order (``num_ranks_per_node = S < R``; rank ``d`` is on node ``d // S``), per token:
+    the partial of node ``n`` is ``P_n = bf16(((0.0 + c_d0) + c_d1) + ...)`` over the token's
+    destination ranks on ``n`` in ascending order (fp32, rounded once: the partial travels back
+    over scale-out as bf16), defined only for nodes holding one of the token's experts; then,
+    in fp32 from 0.0: ``bias0``, ``bias1``, ``P_n`` for each such node in ascending order, and
+    one rounding to bf16. With S = 1 every partial is its rank's ``c_d``, so the result equals
+    the direct order's.
+
+    Combined weights (both orders): slot ``k`` is read from the rank owning expert
     ``topk_idx[t, k]`` (0.0 where it is -1, which includes a repeated or out-of-range id: the
     routing is sanitised as in ``ht_dispatch``).
     """
     num_ranks = len(topk_idxs)
     num_local = num_local_experts(num_experts, num_ranks)
+    node_size = _check_num_ranks_per_node(num_ranks_per_node, num_ranks)
     _check_combine_inputs(dispatch_results, ys, weights_list, biases, num_ranks, do_expand)
     hidden = ys[0].shape[1]
     results = []
@@ -181,13 +195,33 @@ def ht_combine(
             acc = acc + bias.float()
         for dest in range(num_ranks):
             _check_lookup_matches_routing(row_of[dest], topk_idx, source, dest, num_local, do_expand)
-            present, contribution = _contribution(ys[dest], row_of[dest], do_expand)
-            acc[present] = acc[present] + contribution
+        if node_size == num_ranks:
+            for dest in range(num_ranks):
+                present, contribution = _contribution(ys[dest], row_of[dest], do_expand)
+                acc[present] = acc[present] + contribution
+        else:
+            for first in range(0, num_ranks, node_size):  # nodes in ascending order
+                node = slice(first, first + node_size)
+                present, partial = _node_partial(ys[node], row_of[node], do_expand)
+                acc[present] = acc[present] + partial
         weights = None
         if weights_list is not None:
             weights = _combined_weights(weights_list, row_of, topk_idx, num_local, do_expand)
         results.append({"x": acc.to(torch.bfloat16), "topk_weights": weights})
     return results
+
+
+def _check_num_ranks_per_node(num_ranks_per_node: int | None, num_ranks: int) -> int:
+    """Ranks per node (R for None); S must be a positive divisor of R."""
+    if num_ranks_per_node is None:
+        return num_ranks
+    if not isinstance(num_ranks_per_node, int) or isinstance(num_ranks_per_node, bool):
+        raise TypeError(f"num_ranks_per_node must be an int or None, got {type(num_ranks_per_node).__name__}")
+    if num_ranks_per_node < 1 or num_ranks % num_ranks_per_node != 0:
+        raise ValueError(
+            f"num_ranks_per_node must be a positive divisor of num_ranks ({num_ranks}), got {num_ranks_per_node}"
+        )
+    return num_ranks_per_node
 
 
 def _check_combine_inputs(
@@ -266,6 +300,21 @@ def _contribution(y: torch.Tensor, row_of: torch.Tensor, do_expand: bool) -> tup
         has = row_of[:, local] >= 0
         partial[has] = partial[has] + y[row_of[has, local]].float()
     return present, partial[present].to(torch.bfloat16).float()
+
+
+def _node_partial(
+    ys: list[torch.Tensor], row_of: list[torch.Tensor], do_expand: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens with an expert on this node, their node partial)``: the fp32 sum from 0.0 of the
+    node's rank contributions in ascending rank order, rounded to bf16 once (returned as fp32)."""
+    num_tokens, hidden = row_of[0].shape[0], ys[0].shape[1]
+    on_node = torch.zeros(num_tokens, dtype=torch.bool, device=ys[0].device)
+    partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=ys[0].device)
+    for y, rows in zip(ys, row_of, strict=True):
+        present, contribution = _contribution(y, rows, do_expand)
+        partial[present] = partial[present] + contribution
+        on_node |= present
+    return on_node, partial[on_node].to(torch.bfloat16).float()
 
 
 def _combined_weights(

@@ -91,3 +91,130 @@ def test_outputs_are_written(summary, tmp_path, capsys):
     assert (tmp_path / "bench_ht.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "x the baseline" in printed and "of best" in printed
+
+
+def test_default_run_prints_no_mode_or_scaleout_columns(summary, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert all(row["mode"] == "direct" and row["num_ranks_per_node"] is None for row in summary["rows"])
+    assert not any("scaleout_copies_per_token" in row for row in summary["rows"])
+    bench_ht.write_outputs(summary, str(tmp_path))
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.split()[:3] == ["T", "operation", "time"] and "so/tok" not in header
+
+
+# --num-ranks-per-node: the default buffer's results first (as bench_rank runs them), then those of
+# a buffer with S=2 that ran in hybrid mode. Rank 0's handle reports scale-out copies, rank 1's not.
+def _hybrid(result, copies, planned):
+    result.update(mode="hybrid", num_ranks_per_node=2, scaleout_copies_per_token_planned=planned)
+    result.update(scaleout_copies=copies, scaleout_bytes=None if copies is None else copies * 100)
+    result["scaleout_copies_per_token"] = None if copies is None else copies / 4096
+    return result
+
+
+def _layout_per_rank(scale, copies, planned):
+    results = [
+        _result(4096, "dispatch_bf16", 0, 20, 400.0 * scale),
+        _result(4096, "combine_bf16", 0, 20, 300.0 * scale),
+        _hybrid(_result(4096, "dispatch_bf16", 0, 24, 500.0 * scale, recv=6000), copies, planned),
+        _hybrid(_result(4096, "combine_bf16", 0, 24, 350.0 * scale, recv=6000), copies, planned),
+    ]
+    return {"rank": 0, "gpu": ["host", "gpu0"], "copy_gbs": 4000.0, "results": results}
+
+
+@pytest.fixture
+def layout_summary():
+    config = {"tokens": [4096], "hidden": HIDDEN, "num_topk": 8, "num_experts": 256, "num_sms": [0]}
+    config["num_ranks_per_node"] = [2]
+    return bench_ht.summarize([_layout_per_rank(1.0, 2048, 0.5), _layout_per_rank(1.1, 3072, 0.75)], config)
+
+
+def test_direct_and_hybrid_rows_sit_side_by_side(layout_summary):
+    keys = [(row["operation"], row["mode"], row["num_ranks_per_node"]) for row in layout_summary["rows"]]
+    assert keys == [
+        ("dispatch_bf16", "direct", None),
+        ("dispatch_bf16", "hybrid", 2),
+        ("combine_bf16", "direct", None),
+        ("combine_bf16", "hybrid", 2),
+    ]
+    hybrid = layout_summary["rows"][1]
+    assert hybrid["time_us"] == pytest.approx(550.0) and hybrid["num_sms"] == 24
+    assert hybrid["gbs_per_rank"][0] == pytest.approx(HIDDEN * 2 * 6000 / 500e-6 / 1e9)
+    assert hybrid["scaleout_copies_per_token_per_rank"] == [0.5, 0.75]
+    assert hybrid["scaleout_copies_per_token"] == pytest.approx(0.625)
+    assert hybrid["scaleout_copies_per_token_planned"] == pytest.approx(0.625)
+    assert hybrid["scaleout_bytes_per_rank"] == [204800, 307200]
+    assert "scaleout_copies_per_token" not in layout_summary["rows"][0]
+
+
+def test_hybrid_rows_print_mode_and_scaleout_copies_or_na(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    config = {"tokens": [4096], "hidden": HIDDEN, "num_topk": 8, "num_experts": 256, "num_sms": [0]}
+    config["num_ranks_per_node"] = [2]
+    # Rank 1's handle has no scale-out stat: the row's measured figure is n/a, the plan is not.
+    summary = bench_ht.summarize([_layout_per_rank(1.0, 2048, 0.5), _layout_per_rank(1.0, None, 0.7)], config)
+    assert summary["rows"][1]["scaleout_copies_per_token"] is None
+    bench_ht.write_outputs(summary, str(tmp_path))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["T", "operation", "mode", "S", "time"] and "so/tok" in lines[0]
+    direct, hybrid = lines[1].split(), lines[2].split()
+    assert direct[1:4] == ["dispatch_bf16", "direct", "-"]
+    assert hybrid[1:4] == ["dispatch_bf16", "hybrid", "2"]
+    assert hybrid[9:11] == ["n/a", "0.60"] and direct[9:11] == ["-", "-"]
+    saved = json.loads((tmp_path / "bench_ht.json").read_text())
+    assert saved["rows"][1]["scaleout_copies_per_token_per_rank"] == [0.5, None]
+
+
+def test_sweep_keeps_buffers_apart():
+    config = {"tokens": [4096], "hidden": HIDDEN, "num_topk": 8, "num_experts": 256, "num_sms": [0, 8]}
+    per_rank = _layout_per_rank(1.0, 2048, 0.5)
+    per_rank["results"] += [
+        _result(4096, "dispatch_bf16", 8, 8, 900.0),
+        _hybrid(_result(4096, "dispatch_bf16", 8, 8, 450.0, recv=6000), 2048, 0.5),
+    ]
+    sweep = bench_ht.summarize([per_rank], config)["num_sms_sweep"]
+    by_layout = {(item["operation"], item["num_ranks_per_node"]): item for item in sweep}
+    assert set(by_layout) == {("dispatch_bf16", None), ("dispatch_bf16", 2)}
+    assert by_layout[("dispatch_bf16", None)]["best_num_sms"] == 20
+    assert by_layout[("dispatch_bf16", 2)]["best_num_sms"] == 8 and by_layout[("dispatch_bf16", 2)]["mode"] == "hybrid"
+
+
+def test_num_ranks_per_node_option_parses_and_checks_against_the_group():
+    assert bench_ht.parse_args([]).num_ranks_per_node == ""
+    assert bench_ht.parse_ranks_per_node("") == []
+    assert bench_ht.parse_ranks_per_node("2, 4,2") == [2, 4]
+    with pytest.raises(ValueError, match=">= 1, got 0"):
+        bench_ht.parse_ranks_per_node("0")
+    with pytest.raises(ValueError, match="comma list"):
+        bench_ht.parse_ranks_per_node("two")
+    # The default buffer always runs first; S equal to the group size is that same run.
+    assert bench_ht.buffer_layouts(8, []) == [None]
+    assert bench_ht.buffer_layouts(8, [2, 8, 4]) == [None, 2, 4]
+    with pytest.raises(ValueError, match="divide the group size 8, got \\[3\\]"):
+        bench_ht.buffer_layouts(8, [2, 3])
+
+
+def test_scaleout_stats_read_the_handle_or_report_none():
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    handle = SimpleNamespace(stats={"scaleout_copies": torch.tensor(3000), "scaleout_bytes": torch.tensor([10, 20])})
+    assert bench_ht.scaleout_stats(handle, 4000) == {
+        "scaleout_copies": 3000,
+        "scaleout_bytes": 30,
+        "scaleout_copies_per_token": 0.75,
+    }
+    for missing in (SimpleNamespace(stats={"tokens_per_source_rank": torch.zeros(2)}), SimpleNamespace()):
+        assert bench_ht.scaleout_stats(missing, 4000) == {
+            "scaleout_copies": None,
+            "scaleout_bytes": None,
+            "scaleout_copies_per_token": None,
+        }
+
+
+def test_planned_scaleout_copies_count_other_nodes_per_token():
+    torch = pytest.importorskip("torch")
+    # R=4, E=8 (expert e on rank e // 2), S=2: rank 2 (node 1) sends token 0 to node 0 once (experts 0
+    # and 3 are on ranks 0 and 1), token 1 stays on node 1, token 2 goes nowhere.
+    topk_idx = torch.tensor([[0, 3], [4, 7], [-1, -1]])
+    assert bench_ht.planned_scaleout_copies(topk_idx, 8, 4, 2, rank=2) == pytest.approx(1 / 3)
+    assert bench_ht.planned_scaleout_copies(topk_idx[:0], 8, 4, 2, rank=2) is None

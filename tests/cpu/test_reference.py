@@ -340,3 +340,202 @@ def test_combine_rejects_mismatched_inputs():
         ht_combine(results, [rows(1, 2, 3), rows(1, 2, 3)], TOPK_IDXS, NUM_EXPERTS, do_expand=True)
     with pytest.raises(ValueError, match="does not hold"):
         ht_combine(results, [rows(1, 2, 3), rows(1, 2, 3)], TOPK_IDXS[::-1], NUM_EXPERTS)
+
+
+# Hybrid combine order (num_ranks_per_node = S < R): per token, each node's destination ranks are
+# summed in fp32 (ascending rank) and rounded to bf16 once, then biases and node partials (ascending
+# node) are summed in fp32 and rounded once. R=4, E=4 (L=1, expert e on rank e), K=3, S=2:
+# nodes {0, 1} and {2, 3}.
+#   rank 0: token 0 → [2, 0, 1] (ranks 0, 1 on node 0; rank 2 on node 1), token 1 → [3, -1, -1]
+#           (node 1 only), token 2 → [-1, -1, -1] (nowhere)
+#   ranks 1, 2: no tokens; rank 3: token 0 → [0, 3, 1] (ranks 0, 1 on node 0; rank 3 on node 1)
+# Received rows, ordered (source rank, token): rank 0: (0,0) (3,0); rank 1: (0,0) (3,0);
+# rank 2: (0,0); rank 3: (0,1) (3,0).
+HYBRID_EXPERTS = 4
+HYBRID_TOPK_IDXS = [
+    torch.tensor([[2, 0, 1], [3, -1, -1], [-1, -1, -1]]),
+    torch.zeros(0, 3, dtype=torch.int64),
+    torch.zeros(0, 3, dtype=torch.int64),
+    torch.tensor([[0, 3, 1]]),
+]
+# Token (0, 0): c0 = 1, c1 = 2^-8 (node 0), c2 = 2^-8 (node 1). Direct: 1 + 2^-7 exactly.
+# Hybrid: P0 = bf16(1 + 2^-8) = 1 (tie, even), P1 = 2^-8, out = bf16(1 + 2^-8) = 1.
+# Token (3, 0): c0 = 256, c1 = 1 (node 0), c3 = -256 (node 1). Direct: 1. Hybrid: P0 = bf16(257)
+# = 256 (tie, even: bf16 steps by 2 there), P1 = -256, out = 0.
+HYBRID_YS = [rows(1, 256), rows(2.0**-8, 1), rows(2.0**-8), rows(5, -256)]
+
+
+def hybrid_dispatch(**kwargs) -> list[dict]:
+    xs = [rows(1, 2, 3), rows(hidden=HIDDEN), rows(hidden=HIDDEN), rows(4)]
+    return ht_dispatch(xs, HYBRID_TOPK_IDXS, None, HYBRID_EXPERTS, **kwargs)
+
+
+def test_hybrid_combine_rounds_each_node_partial_to_bf16():
+    results = hybrid_dispatch()
+    assert [r["src_rank"].tolist() for r in results] == [[0, 3], [0, 3], [0], [0, 3]]
+    assert [r["src_token"].tolist() for r in results] == [[0, 0], [0, 0], [0], [1, 0]]
+    direct = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS)
+    hybrid = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, num_ranks_per_node=2)
+    assert torch.equal(direct[0]["x"], rows(1 + 2.0**-7, 5, 0))
+    assert torch.equal(hybrid[0]["x"], rows(1, 5, 0))
+    assert torch.equal(direct[3]["x"], rows(1))
+    assert torch.equal(hybrid[3]["x"], rows(0))
+    for rank in (1, 2):
+        assert list(hybrid[rank]["x"].shape) == [0, HIDDEN]
+    assert all(r["topk_weights"] is None for r in hybrid)
+
+
+def test_hybrid_combine_adds_biases_first_then_node_partials():
+    # Token (0, 0) with bias 2^-8. Direct: 2^-8 + 1 + 2^-8 + 2^-8 = 1 + 1.5 * 2^-7, a tie that
+    # rounds to 1 + 2^-6. Hybrid: 2^-8 + P0 (= 1) + P1 (= 2^-8) = 1 + 2^-7, exact in bf16.
+    # Token (0, 2) went nowhere: its bias alone, as in direct mode.
+    results = hybrid_dispatch()
+    biases = [(rows(2.0**-8, 0, 7), None), None, None, rows(0.5)]
+    direct = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, biases=biases)
+    hybrid = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, biases=biases, num_ranks_per_node=2)
+    assert torch.equal(direct[0]["x"], rows(1 + 2.0**-6, 5, 7))
+    assert torch.equal(hybrid[0]["x"], rows(1 + 2.0**-7, 5, 7))
+    # Token (3, 0): 0.5 + 256 + (-256) = 0.5 in hybrid; 0.5 + 256 + 1 - 256 = 1.5 direct.
+    assert torch.equal(hybrid[3]["x"], rows(0.5)) and torch.equal(direct[3]["x"], rows(1.5))
+
+
+def test_hybrid_combine_visits_nodes_in_ascending_order():
+    # R=6, E=6, S=2: rank 0's token picks experts [5, 1, 2] (slot order is not the node order):
+    # node 0: c1 = 2^24, node 1: c2 = 1, node 2: c5 = -2^24. Ascending nodes: 2^24 + 1 = 2^24
+    # (tie, even), then 0. Slot order (-2^24 + 2^24 + 1) or descending nodes would give 1.
+    topk_idxs = [torch.tensor([[5, 1, 2]])] + [torch.zeros(0, 3, dtype=torch.int64)] * 5
+    xs = [rows(1)] + [rows(hidden=HIDDEN)] * 5
+    results = ht_dispatch(xs, topk_idxs, None, 6)
+    ys = [rows(hidden=HIDDEN), rows(2.0**24), rows(1), rows(hidden=HIDDEN), rows(hidden=HIDDEN), rows(-(2.0**24))]
+    hybrid = ht_combine(results, ys, topk_idxs, 6, num_ranks_per_node=2)
+    assert torch.equal(hybrid[0]["x"], rows(0))
+
+
+def test_hybrid_combine_sums_the_ranks_of_a_node_in_ascending_order():
+    # R=6, E=6, S=3: rank 0's token picks experts [2, 4, 0, 1]: node 0 holds c0 = 2^24, c1 = 1,
+    # c2 = -2^24; node 1 holds c4 = 3. Ascending ranks: 2^24 + 1 = 2^24 (tie, even), then P0 = 0,
+    # out = 3. Slot order (-2^24, 2^24, 1) or descending ranks would give P0 = 1 and out = 4.
+    topk_idxs = [torch.tensor([[2, 4, 0, 1]])] + [torch.zeros(0, 4, dtype=torch.int64)] * 5
+    xs = [rows(1)] + [rows(hidden=HIDDEN)] * 5
+    results = ht_dispatch(xs, topk_idxs, None, 6)
+    ys = [rows(2.0**24), rows(1), rows(-(2.0**24)), rows(hidden=HIDDEN), rows(3), rows(hidden=HIDDEN)]
+    hybrid = ht_combine(results, ys, topk_idxs, 6, num_ranks_per_node=3)
+    assert torch.equal(hybrid[0]["x"], rows(3))
+
+
+def test_hybrid_expand_combine_rounds_rank_partials_then_node_partials():
+    # R=4, E=8 (L=2), S=2: rank 0's token picks experts [3, 0, 4, 2]: rank 0 (local 0), rank 1
+    # (locals 0 and 1), rank 2 (local 0). Expanded rows: rank 0: 2^-8; rank 1: 1 (local 0),
+    # 2^-8 (local 1); rank 2: 2^-8.
+    # c0 = 2^-8, c1 = bf16(1 + 2^-8) = 1, c2 = 2^-8. P0 = bf16(2^-8 + 1) = 1, P1 = 2^-8, out = 1.
+    # Direct: 2^-8 + 1 + 2^-8 = 1 + 2^-7. Without the rank rounding P0 would be 1 + 2^-7 and the
+    # output 1 + 2^-6 (tie, even).
+    topk_idxs = [torch.tensor([[3, 0, 4, 2]])] + [torch.zeros(0, 4, dtype=torch.int64)] * 3
+    xs = [rows(1)] + [rows(hidden=HIDDEN)] * 3
+    results = ht_dispatch(xs, topk_idxs, None, 8, do_expand=True)
+    assert [r["local_expert"].tolist() for r in results] == [[0], [0, 1], [0], []]
+    ys = [rows(2.0**-8), rows(1, 2.0**-8), rows(2.0**-8), rows(hidden=HIDDEN)]
+    weights_list = [torch.tensor([10.0]), torch.tensor([11.0, 12.0]), torch.tensor([13.0]), torch.zeros(0)]
+    kwargs = {"weights_list": weights_list, "do_expand": True}
+    direct = ht_combine(results, ys, topk_idxs, 8, **kwargs)
+    hybrid = ht_combine(results, ys, topk_idxs, 8, num_ranks_per_node=2, **kwargs)
+    assert torch.equal(direct[0]["x"], rows(1 + 2.0**-7))
+    assert torch.equal(hybrid[0]["x"], rows(1))
+    assert hybrid[0]["topk_weights"].tolist() == [[12.0, 10.0, 13.0, 11.0]]
+    assert torch.equal(hybrid[0]["topk_weights"], direct[0]["topk_weights"])
+
+
+def test_hybrid_combine_with_one_node_or_one_rank_per_node_equals_direct():
+    results = hybrid_dispatch()
+    biases = [(rows(2.0**-8, 0, 7), rows(2.0**-9, 1, 1)), None, None, rows(0.5)]
+    direct = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, biases=biases)
+    for node_size in (1, 4):
+        got = ht_combine(
+            results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, biases=biases, num_ranks_per_node=node_size
+        )
+        for got_rank, want_rank in zip(got, direct, strict=True):
+            assert torch.equal(got_rank["x"], want_rank["x"]), node_size
+    # S = 2 differs on this input, so the equalities above are not vacuous.
+    two = ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, biases=biases, num_ranks_per_node=2)
+    assert not torch.equal(two[0]["x"], direct[0]["x"])
+
+
+def _random_group(num_ranks: int, num_experts: int, num_topk: int, num_tokens: int, do_expand: bool, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    topk_idxs = []
+    for _ in range(num_ranks):
+        idx = torch.rand(num_tokens, num_experts, generator=generator).topk(num_topk, dim=1).indices
+        idx[torch.rand(num_tokens, num_topk, generator=generator) < 0.2] = -1
+        topk_idxs.append(idx)
+    xs = [rows(*range(num_tokens)) for _ in range(num_ranks)]
+    weights = [torch.rand(num_tokens, num_topk, generator=generator) for _ in range(num_ranks)]
+    results = ht_dispatch(xs, topk_idxs, weights, num_experts, do_expand=do_expand, expert_alignment=2)
+
+    def wide(shape) -> torch.Tensor:
+        # Magnitudes over 2^-12 .. 2^12, so fp32 and bf16 rounding both bite.
+        scale = torch.pow(2.0, torch.randint(-12, 13, shape, generator=generator).float())
+        return (torch.randn(shape, generator=generator) * scale).bfloat16()
+
+    ys = [wide((r["src_rank"].numel(), HIDDEN)) for r in results]
+    biases = [(wide((num_tokens, HIDDEN)), wide((num_tokens, HIDDEN))) for _ in range(num_ranks)]
+    weights_list = [r["topk_weights"] * 3 for r in results]
+    return results, ys, topk_idxs, biases, weights_list
+
+
+def _hybrid_model(results, ys, topk_idxs, num_experts, node_size, biases):
+    """Token by token, straight from the hybrid rule (independent of the reference's vectorised code)."""
+    num_ranks = len(topk_idxs)
+    num_local = num_experts // num_ranks
+    expected = []
+    for source, topk_idx in enumerate(topk_idxs):
+        topk_idx = sanitize_topk_idx(topk_idx, num_experts)
+        out = torch.empty(topk_idx.shape[0], HIDDEN, dtype=torch.bfloat16)
+        for token in range(topk_idx.shape[0]):
+            ranks = sorted({int(e) // num_local for e in topk_idx[token] if e >= 0})
+            total = torch.zeros(HIDDEN)
+            for bias in biases[source]:
+                total = total + bias[token].float()
+            for node in sorted({rank // node_size for rank in ranks}):
+                partial = torch.zeros(HIDDEN)
+                for rank in (r for r in ranks if r // node_size == node):
+                    mine = (results[rank]["src_rank"] == source) & (results[rank]["src_token"] == token)
+                    contribution = torch.zeros(HIDDEN)
+                    for row in mine.nonzero().flatten().tolist():  # ascending expanded-row order
+                        contribution = contribution + ys[rank][row].float()
+                    partial = partial + contribution.bfloat16().float()
+                total = total + partial.bfloat16().float()
+            out[token] = total.bfloat16()
+        expected.append(out)
+    return expected
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.parametrize("node_size", [2, 4])
+def test_hybrid_combine_matches_a_token_by_token_model_on_random_data(do_expand, node_size):
+    num_experts = 16
+    results, ys, topk_idxs, biases, weights_list = _random_group(8, num_experts, 4, 12, do_expand, seed=node_size)
+    kwargs = {"biases": biases, "weights_list": weights_list, "do_expand": do_expand}
+    hybrid = ht_combine(results, ys, topk_idxs, num_experts, num_ranks_per_node=node_size, **kwargs)
+    direct = ht_combine(results, ys, topk_idxs, num_experts, **kwargs)
+    expected = _hybrid_model(results, ys, topk_idxs, num_experts, node_size, biases)
+    differs = False
+    for got, want, direct_rank in zip(hybrid, expected, direct, strict=True):
+        assert torch.equal(got["x"].view(torch.int16), want.view(torch.int16))
+        assert torch.equal(got["topk_weights"], direct_rank["topk_weights"])
+        differs |= not torch.equal(got["x"], direct_rank["x"])
+    assert differs, "the random data should tell the hybrid order from the direct one"
+
+
+@pytest.mark.parametrize("node_size", [0, -2, 3, 8])
+def test_combine_rejects_num_ranks_per_node_that_does_not_divide_num_ranks(node_size):
+    results = hybrid_dispatch()
+    with pytest.raises(
+        ValueError, match=rf"num_ranks_per_node must be a positive divisor of num_ranks \(4\), got {node_size}"
+    ):
+        ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, num_ranks_per_node=node_size)
+
+
+def test_combine_rejects_num_ranks_per_node_that_is_not_an_int():
+    results = hybrid_dispatch()
+    with pytest.raises(TypeError, match="num_ranks_per_node must be an int or None, got float"):
+        ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, num_ranks_per_node=2.0)

@@ -156,10 +156,23 @@ def check_dispatch(case: Case, rank: int, expected: dict, outputs: tuple) -> Non
         assert_bitwise_equal("recv_src_metadata source token", metadata[:, 1].long(), expected["src_token"])
 
 
-def run_case(buffer, rank: int, num_ranks: int, case: Case) -> None:
-    """Dispatch and combine one case on this rank; compare both bitwise with the reference."""
+def run_case(
+    buffer,
+    rank: int,
+    num_ranks: int,
+    case: Case,
+    *,
+    inputs: GroupOnDevice | None = None,
+    num_ranks_per_node: int | None = None,
+    check_handle=None,
+) -> None:
+    """Dispatch and combine one case on this rank; compare both bitwise with the reference.
+
+    ``inputs`` replaces the seeded group inputs of ``case`` (e.g. other routing); ``num_ranks_per_node``
+    (hybrid mode) selects the reference's hierarchical combine order (None: direct order);
+    ``check_handle(inputs, handle)`` runs extra checks on the dispatch's handle."""
     try:
-        group = group_inputs(case, num_ranks)
+        group = group_inputs(case, num_ranks) if inputs is None else inputs
         num_experts = case.experts(num_ranks)
         reference = ht_dispatch(
             group.xs,
@@ -179,6 +192,8 @@ def run_case(buffer, rank: int, num_ranks: int, case: Case) -> None:
             do_expand=case.do_expand,
         )
         check_dispatch(case, rank, reference[rank], outputs)
+        if check_handle is not None:
+            check_handle(group, outputs[3])
 
         ys = [
             expert_output((r["x"], r["x_scales"]) if r["x_scales"] is not None else r["x"], dest, case.scale_outputs)
@@ -186,6 +201,8 @@ def run_case(buffer, rank: int, num_ranks: int, case: Case) -> None:
         ]
         weights_list = None if group.weights is None else [r["topk_weights"] for r in reference]
         biases = group_biases(case, group.num_tokens)
+        # The keyword only when asked for: the direct callers use the reference exactly as before.
+        order = {} if num_ranks_per_node is None else {"num_ranks_per_node": num_ranks_per_node}
         expected = ht_combine(
             reference,
             ys,
@@ -194,6 +211,7 @@ def run_case(buffer, rank: int, num_ranks: int, case: Case) -> None:
             weights_list=weights_list,
             biases=biases,
             do_expand=case.do_expand,
+            **order,
         )[rank]
         recv_x, _, recv_topk_weights, handle, _ = outputs
         combined, combined_weights, _ = buffer.combine(
