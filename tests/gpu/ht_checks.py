@@ -224,3 +224,43 @@ def run_case(
         assert_bitwise_equal("combined_topk_weights", combined_weights, expected["topk_weights"])
     except AssertionError as error:
         raise AssertionError(f"case '{case.name}' (rank {rank} of {num_ranks}): {error}") from error
+
+
+def dispatch_case(buffer, rank: int, case: Case, inputs, **kwargs):
+    """One rank's dispatch of ``case`` with ``inputs`` (xs, topk_idxs, weights per rank); with
+    ``handle=`` a cached dispatch (routing and settings come from the handle)."""
+    weights = None if inputs.weights is None else inputs.weights[rank]
+    if "handle" in kwargs:
+        return buffer.dispatch(inputs.xs[rank], topk_weights=weights, **kwargs)
+    return buffer.dispatch(
+        inputs.xs[rank],
+        inputs.topk_idxs[rank],
+        weights,
+        num_experts=case.experts(len(inputs.xs)),
+        num_max_tokens_per_rank=case.num_max_tokens,
+        expert_alignment=case.expert_alignment,
+        do_expand=case.do_expand,
+        **kwargs,
+    )
+
+
+def assert_outputs_equal(name: str, got: tuple, want: tuple, num_rows: int | None = None) -> None:
+    """Bitwise equality of two dispatch results, on the first num_rows rows when given."""
+    rows = slice(None) if num_rows is None else slice(0, num_rows)
+    for part, actual, expected in (
+        ("recv_x", split(got[0])[0], split(want[0])[0]),
+        ("scales", split(got[0])[1], split(want[0])[1]),
+        ("recv_topk_idx", got[1], want[1]),
+        ("recv_topk_weights", got[2], want[2]),
+    ):
+        if expected is None:
+            assert actual is None, f"{name}: {part} should be None"
+            continue
+        assert_bitwise_equal(f"{name}: {part}", actual[rows], expected[rows])
+
+
+def keep_compute_stream_busy() -> None:
+    """Work on the caller's stream while the communication stream runs."""
+    busy = torch.randn(2048, 2048, device=device())
+    for _ in range(4):
+        busy = busy @ busy / 2048

@@ -35,10 +35,13 @@ from ht_checks import (
     Case,
     GroupOnDevice,
     assert_bitwise_equal,
+    assert_outputs_equal,
     check_dispatch,
     device,
+    dispatch_case,
     expert_output,
     group_inputs,
+    keep_compute_stream_busy,
     make_buffer,
     run_case,
     split,
@@ -368,7 +371,7 @@ def _hybrid_versus_direct(rank, num_ranks, group, ranks_per_node):
         hybrid = _hybrid_buffer(group, ranks_per_node, None, **sizes)
         for case in VERSUS_CASES:
             inputs = group_inputs(case, num_ranks)
-            results = [_dispatch(buffer, rank, case, inputs) for buffer in (direct, hybrid)]
+            results = [dispatch_case(buffer, rank, case, inputs) for buffer in (direct, hybrid)]
             _assert_same_dispatch(f"{label}, case '{case.name}', hybrid vs direct dispatch", results[1], results[0])
             # Each buffer against the reference: direct order for the direct buffer, hybrid for the other.
             run_case(direct, rank, num_ranks, case)
@@ -392,43 +395,6 @@ EXPAND = HybridCase(
 )
 GRAPH_CASE = HybridCase("graph bf16 H2048 K8 E64", 2048, 8, 64, 128, False, seed=131)
 NUM_REPLAYS = 10
-
-
-def _dispatch(buffer, rank, case, inputs, **kwargs):
-    weights = None if inputs.weights is None else inputs.weights[rank]
-    if "handle" in kwargs:
-        return buffer.dispatch(inputs.xs[rank], topk_weights=weights, **kwargs)
-    return buffer.dispatch(
-        inputs.xs[rank],
-        inputs.topk_idxs[rank],
-        weights,
-        num_experts=case.experts(len(inputs.xs)),
-        num_max_tokens_per_rank=case.num_max_tokens,
-        expert_alignment=case.expert_alignment,
-        do_expand=case.do_expand,
-        **kwargs,
-    )
-
-
-def _assert_outputs_equal(name, got, want, num_rows=None):
-    """Bitwise equality of two dispatch results, on the first num_rows rows when given."""
-    rows = slice(None) if num_rows is None else slice(0, num_rows)
-    for part, actual, expected in (
-        ("recv_x", split(got[0])[0], split(want[0])[0]),
-        ("scales", split(got[0])[1], split(want[0])[1]),
-        ("recv_topk_idx", got[1], want[1]),
-        ("recv_topk_weights", got[2], want[2]),
-    ):
-        if expected is None:
-            assert actual is None, f"{name}: {part} should be None"
-            continue
-        assert_bitwise_equal(f"{name}: {part}", actual[rows], expected[rows])
-
-
-def _keep_compute_stream_busy():
-    busy = torch.randn(2048, 2048, device=device())
-    for _ in range(4):
-        busy = busy @ busy / 2048
 
 
 def _reference_combine(case, rank, num_ranks, ranks_per_node, inputs, scale):
@@ -462,7 +428,7 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
     for case in (NON_EXPAND, EXPAND):
         inputs = group_inputs(case, num_ranks)
         reference, expected = _reference_combine(case, rank, num_ranks, ranks_per_node, inputs, True)
-        synced = _dispatch(buffer, rank, case, inputs)
+        synced = dispatch_case(buffer, rank, case, inputs)
         check_dispatch(case, rank, reference[rank], synced)
         handle = synced[3]
         rows = handle.num_expanded_tokens if case.do_expand else handle.num_recv_tokens
@@ -471,11 +437,11 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
         assert_bitwise_equal(f"{case.name} combine vs reference", want[0], expected["x"])
         assert_bitwise_equal(f"{case.name} combined weights vs reference", want[1], expected["topk_weights"])
 
-        cached = _dispatch(buffer, rank, case, inputs, handle=handle)
-        _assert_outputs_equal(f"{case.name} cached", cached, synced)
+        cached = dispatch_case(buffer, rank, case, inputs, handle=handle)
+        assert_outputs_equal(f"{case.name} cached", cached, synced)
         assert cached[3] is handle, f"{case.name}: a cached dispatch returns the handle it was given"
 
-        unsynced = _dispatch(buffer, rank, case, inputs, do_cpu_sync=False)
+        unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
         loose = unsynced[3]
         assert loose.num_recv_tokens == num_ranks * case.num_max_tokens, (
             f"{case.name}: no-sync num_recv_tokens {loose.num_recv_tokens}, expected the worst case "
@@ -492,9 +458,9 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
             "num_unaligned_recv_tokens_per_expert",
         ):
             assert_bitwise_equal(f"{case.name} no-sync {field}", getattr(loose, field), getattr(handle, field))
-        _assert_outputs_equal(f"{case.name} no cpu sync", unsynced, synced, rows)
-        cached_loose = _dispatch(buffer, rank, case, inputs, handle=loose)
-        _assert_outputs_equal(f"{case.name} cached from no-sync handle", cached_loose, synced, rows)
+        assert_outputs_equal(f"{case.name} no cpu sync", unsynced, synced, rows)
+        cached_loose = dispatch_case(buffer, rank, case, inputs, handle=loose)
+        assert_outputs_equal(f"{case.name} cached from no-sync handle", cached_loose, synced, rows)
 
         # Combine through the no-sync handle: the worst-case input carries the same valid rows.
         y_loose = torch.zeros(
@@ -520,15 +486,15 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
         ):
             label = f"{case.name} {sorted(flags)} previous_event={wait_for_previous}"
             previous = {"previous_event": buffer.capture()} if wait_for_previous else {}
-            result = _dispatch(buffer, rank, case, inputs, **flags, **previous)
+            result = dispatch_case(buffer, rank, case, inputs, **flags, **previous)
             if flags.get("async_with_compute_stream"):
-                _keep_compute_stream_busy()
+                keep_compute_stream_busy()
                 result[4].current_stream_wait()
-            _assert_outputs_equal(label, result, synced)
+            assert_outputs_equal(label, result, synced)
             previous = {"previous_event": buffer.capture()} if wait_for_previous else {}
             combined = buffer.combine(y, result[3], topk_weights=result[2], **flags, **previous)
             if flags.get("async_with_compute_stream"):
-                _keep_compute_stream_busy()
+                keep_compute_stream_busy()
                 combined[2].current_stream_wait()
             assert_bitwise_equal(f"{label} combine", combined[0], want[0])
             assert_bitwise_equal(f"{label} combine weights", combined[1], want[1])
@@ -539,7 +505,7 @@ def _cuda_graph(buffer, rank, num_ranks, ranks_per_node):
     routing and weights), compare every replay with the reference in hybrid order."""
     case = GRAPH_CASE
     inputs = group_inputs(case, num_ranks)
-    handle = _dispatch(buffer, rank, case, inputs)[3]
+    handle = dispatch_case(buffer, rank, case, inputs)[3]
     x_static = inputs.xs[rank].clone()
     weights_static = inputs.weights[rank].clone()
     stream = torch.cuda.Stream()

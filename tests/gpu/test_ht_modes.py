@@ -7,11 +7,13 @@ import torch
 from ht_checks import (
     Case,
     assert_bitwise_equal,
+    assert_outputs_equal,
     device,
+    dispatch_case,
     expert_output,
     group_inputs,
+    keep_compute_stream_busy,
     make_buffer,
-    split,
 )
 
 from deep_ep import per_token_cast_back, per_token_cast_to_fp8
@@ -23,58 +25,20 @@ NON_EXPAND = Case("fp8 H2048 K8 E64", 2048, 8, 64, 512, True, num_biases=1, seed
 EXPAND = Case("bf16 H2048 K6 E64 expand a64", 2048, 6, 64, 384, False, do_expand=True, expert_alignment=64, seed=22)
 
 
-def _dispatch(buffer, rank, case, group, **kwargs):
-    weights = None if group.weights is None else group.weights[rank]
-    if "handle" in kwargs:
-        return buffer.dispatch(group.xs[rank], topk_weights=weights, **kwargs)
-    return buffer.dispatch(
-        group.xs[rank],
-        group.topk_idxs[rank],
-        weights,
-        num_experts=case.experts(len(group.xs)),
-        num_max_tokens_per_rank=case.num_max_tokens,
-        expert_alignment=case.expert_alignment,
-        do_expand=case.do_expand,
-        **kwargs,
-    )
-
-
-def _assert_outputs_equal(name, got, want, num_rows=None):
-    """Bitwise equality of two dispatch results, on the first num_rows rows when given."""
-    rows = slice(None) if num_rows is None else slice(0, num_rows)
-    for part, actual, expected in (
-        ("recv_x", split(got[0])[0], split(want[0])[0]),
-        ("scales", split(got[0])[1], split(want[0])[1]),
-        ("recv_topk_idx", got[1], want[1]),
-        ("recv_topk_weights", got[2], want[2]),
-    ):
-        if expected is None:
-            assert actual is None, f"{name}: {part} should be None"
-            continue
-        assert_bitwise_equal(f"{name}: {part}", actual[rows], expected[rows])
-
-
-def _keep_compute_stream_busy():
-    """Work on the caller's stream while the communication stream runs."""
-    busy = torch.randn(2048, 2048, device=device())
-    for _ in range(4):
-        busy = busy @ busy / 2048
-
-
 def _cached_no_sync_and_events(rank, num_ranks, group):
     buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
     try:
         for case in (NON_EXPAND, EXPAND):
             inputs = group_inputs(case, num_ranks)
-            synced = _dispatch(buffer, rank, case, inputs)
+            synced = dispatch_case(buffer, rank, case, inputs)
             handle = synced[3]
             rows = handle.num_expanded_tokens if case.do_expand else handle.num_recv_tokens
 
-            cached = _dispatch(buffer, rank, case, inputs, handle=handle)
-            _assert_outputs_equal(f"{case.name} cached", cached, synced)
+            cached = dispatch_case(buffer, rank, case, inputs, handle=handle)
+            assert_outputs_equal(f"{case.name} cached", cached, synced)
             assert cached[3] is handle
 
-            unsynced = _dispatch(buffer, rank, case, inputs, do_cpu_sync=False)
+            unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
             loose = unsynced[3]
             assert (
                 loose.num_recv_tokens == num_ranks * case.num_max_tokens and loose.num_recv_tokens_per_expert_list == []
@@ -86,9 +50,9 @@ def _cached_no_sync_and_events(rank, num_ranks, group):
                 "num_unaligned_recv_tokens_per_expert",
             ):
                 assert_bitwise_equal(f"{case.name} {field}", getattr(loose, field), getattr(handle, field))
-            _assert_outputs_equal(f"{case.name} no cpu sync", unsynced, synced, rows)
-            cached_loose = _dispatch(buffer, rank, case, inputs, handle=loose)
-            _assert_outputs_equal(f"{case.name} cached from no-sync handle", cached_loose, synced, rows)
+            assert_outputs_equal(f"{case.name} no cpu sync", unsynced, synced, rows)
+            cached_loose = dispatch_case(buffer, rank, case, inputs, handle=loose)
+            assert_outputs_equal(f"{case.name} cached from no-sync handle", cached_loose, synced, rows)
 
             # Combine through either handle: the worst-case input carries the same valid rows.
             y = expert_output(synced[0], rank, True)
@@ -119,15 +83,15 @@ def _cached_no_sync_and_events(rank, num_ranks, group):
             ):
                 label = f"{case.name} {sorted(flags)} previous_event={wait_for_previous}"
                 previous = {"previous_event": buffer.capture()} if wait_for_previous else {}
-                result = _dispatch(buffer, rank, case, inputs, **flags, **previous)
+                result = dispatch_case(buffer, rank, case, inputs, **flags, **previous)
                 if flags.get("async_with_compute_stream"):
-                    _keep_compute_stream_busy()
+                    keep_compute_stream_busy()
                     result[4].current_stream_wait()
-                _assert_outputs_equal(label, result, synced)
+                assert_outputs_equal(label, result, synced)
                 previous = {"previous_event": buffer.capture()} if wait_for_previous else {}
                 combined = buffer.combine(y, result[3], topk_weights=result[2], **flags, **previous)
                 if flags.get("async_with_compute_stream"):
-                    _keep_compute_stream_busy()
+                    keep_compute_stream_busy()
                     combined[2].current_stream_wait()
                 assert_bitwise_equal(f"{label} combine", combined[0], want[0])
                 assert_bitwise_equal(f"{label} combine weights", combined[1], want[1])
@@ -157,7 +121,7 @@ def _cuda_graph(rank, num_ranks, group):
         case = GRAPH_CASE
         num_experts = case.experts(num_ranks)
         inputs = group_inputs(case, num_ranks)
-        first = _dispatch(buffer, rank, case, inputs)
+        first = dispatch_case(buffer, rank, case, inputs)
         handle = first[3]
         x_static = inputs.xs[rank].clone()
         weights_static = inputs.weights[rank].clone()
