@@ -107,8 +107,11 @@ class _CommLaunch:
             comm.wait_event(event)
         else:
             comm.wait_stream(self.compute)
-        self.on_comm = allocate_on_comm_stream
-        self.alloc_stream = comm if allocate_on_comm_stream else self.compute
+        # With previous_event the comm stream does not wait for the caller's stream, so memory the
+        # caller's stream freed may still be in use there: allocate on comm (and hand the outputs to
+        # the caller's stream through record_stream in finish) whatever allocate_on_comm_stream says.
+        self.on_comm = allocate_on_comm_stream or previous_event is not None
+        self.alloc_stream = comm if self.on_comm else self.compute
         self.allocated: list[torch.Tensor] = []
 
     @property
@@ -271,7 +274,7 @@ class HighThroughputMixin:
                 fp8=use_fp8,
             )
             num_sms = self._resolve_num_sms(num_sms, num_experts, num_topk)
-            self._check_previous_event(previous_event, allocate_on_comm_stream)
+            self._check_previous_event(previous_event)
         except (ValueError, TypeError) as error:
             # This rank's input is bad, but its peers already run (or will run) this dispatch: take
             # part without data so none of them waits for this rank, then raise.
@@ -506,7 +509,7 @@ class HighThroughputMixin:
                 T_max=num_max_tokens,
             )
             num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
-            self._check_previous_event(previous_event, allocate_on_comm_stream)
+            self._check_previous_event(previous_event)
         except (ValueError, TypeError) as error:
             self._combine_without_input(x, handle, error)
             raise
@@ -837,7 +840,7 @@ class HighThroughputMixin:
         return num_sms
 
     @staticmethod
-    def _check_previous_event(previous_event: Any, allocate_on_comm_stream: bool) -> None:
+    def _check_previous_event(previous_event: Any) -> None:
         if previous_event is None:
             return
         if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
@@ -845,10 +848,4 @@ class HighThroughputMixin:
         if isinstance(previous_event, EventOverlap) and previous_event.event is None:
             raise ValueError(
                 "previous_event holds no event (got EventOverlap(event=None), the result of a synchronous call)"
-            )
-        if not allocate_on_comm_stream:
-            raise ValueError(
-                f"previous_event requires allocate_on_comm_stream=True, got allocate_on_comm_stream="
-                f"{allocate_on_comm_stream!r}: the comm stream would not wait for the caller's stream, so memory "
-                "allocated there could be reused under the kernels"
             )

@@ -92,8 +92,8 @@ def _bad_inputs(rank, num_ranks, group):
             lambda: dispatch(x, topk_idx, num_experts=EXPERTS, num_sms=100_000),
         )
         refuses(
-            r"previous_event requires allocate_on_comm_stream=True",
-            lambda: dispatch(x, topk_idx, num_experts=EXPERTS, previous_event=buffer.capture()),
+            r"previous_event holds no event",
+            lambda: dispatch(x, topk_idx, num_experts=EXPERTS, previous_event=deep_ep.EventOverlap(None)),
         )
         refuses(
             r"BufferTooSmall|needs \d+ bytes of the HT region",

@@ -80,6 +80,9 @@ def _cached_no_sync_and_events(rank, num_ranks, group):
                 ({"allocate_on_comm_stream": True}, True),
                 ({"allocate_on_comm_stream": True, "async_with_compute_stream": True}, True),
                 ({"allocate_on_comm_stream": True}, False),
+                # previous_event without allocate_on_comm_stream (DeepEP's default): allocated on comm.
+                ({}, True),
+                ({"async_with_compute_stream": True}, True),
             ):
                 label = f"{case.name} {sorted(flags)} previous_event={wait_for_previous}"
                 previous = {"previous_event": buffer.capture()} if wait_for_previous else {}
