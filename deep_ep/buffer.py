@@ -130,6 +130,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         backend: str | None = None,
         num_ranks_per_node: int | None = None,
         explicitly_destroy: bool = False,
+        num_cpu_bytes: int = 0,
+        sl_idx: int = 3,
+        num_allocated_qps: int = 0,
     ) -> None:
         self._runtime: Any = None
         self._serial = next(_buffer_serials)
@@ -163,6 +166,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 num_cpu_timeout_secs=num_cpu_timeout_secs,
                 backend=backend,
                 num_ranks_per_node=num_ranks_per_node,
+                num_cpu_bytes=num_cpu_bytes,
+                sl_idx=sl_idx,
+                num_allocated_qps=num_allocated_qps,
             )
         except (ValueError, TypeError) as error:
             local_error = (type(error).__name__, str(error))
@@ -180,6 +186,16 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             if any(other != value for other in values):
                 raise ValueError(f"every rank must pass the same {name}; got {values} (index = rank)")
         all_facts = [item[0] for item in gathered]
+        if settings["num_cpu_bytes"]:
+            raise NotImplementedError(
+                f"num_cpu_bytes={num_cpu_bytes}: the host-memory segment (DeepEP V2's Engram storage) is "
+                "not implemented"
+            )
+        # DeepEP V2's RDMA knobs: sl_idx (InfiniBand service level) needs a GIN traffic class, which
+        # NCCL 2.28 does not have, and queue pairs do not exist here (GIN manages its connections).
+        # Both are recorded; num_allocated_qps bounds the per-call num_qps as in V2.
+        self.sl_idx = sl_idx
+        self.num_allocated_qps = num_allocated_qps
 
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
@@ -261,6 +277,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         num_cpu_timeout_secs: float | None,
         backend: str | None,
         num_ranks_per_node: int | None,
+        num_cpu_bytes: int = 0,
+        sl_idx: int = 3,
+        num_allocated_qps: int = 0,
     ) -> dict[str, Any]:
         """This rank's settings, resolved from arguments and environment; raises on a bad one. Every
         rank must end up with the same values (the window has one size and layout everywhere)."""
@@ -269,7 +288,11 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 "allow_multiple_reduction=False is not supported: combine always sums a rank's rows for a token "
                 "before sending them (one bf16 rounding per rank)"
             )
+        if not isinstance(sl_idx, int) or not 0 <= sl_idx <= 15:
+            raise ValueError(f"sl_idx must be an InfiniBand service level in [0, 15], got {sl_idx!r}")
         for name, value in (
+            ("num_cpu_bytes", num_cpu_bytes),
+            ("num_allocated_qps", num_allocated_qps),
             ("num_max_tokens_per_rank", num_max_tokens_per_rank),
             ("hidden", hidden),
             ("num_topk", num_topk),
@@ -301,6 +324,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "backend": requested_backend(backend),
             "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
             "scaleout_transport": requested_scaleout_transport(),
+            "num_cpu_bytes": num_cpu_bytes,
+            "num_allocated_qps": num_allocated_qps,
             "num_gpu_timeout_secs": float(num_gpu_timeout_secs),
             "num_cpu_timeout_secs": float(num_cpu_timeout_secs),
         }
@@ -528,12 +553,14 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
 
     # ----------------------------------------------------------------- public
 
-    def barrier(self, with_cpu_sync: bool = False) -> None:
-        """Cross-rank barrier on the current stream; with_cpu_sync waits for it and raises what the
-        kernels reported until then (a synchronisation point, like check_errors())."""
+    def barrier(self, with_cpu_sync: bool = False, *, use_comm_stream: bool = False, sequential: bool = True) -> None:
+        """Cross-rank barrier on the current stream (``use_comm_stream``: on the communication
+        stream); with_cpu_sync waits for it and raises what the kernels reported until then (a
+        synchronisation point, like check_errors()). ``sequential`` (DeepEP V2: a one-SM barrier
+        rather than its two-SM hybrid variant) is accepted; there is one barrier kernel here."""
         self._ensure_usable()
         self._check_fatal_errors()
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._comm_stream if use_comm_stream else torch.cuda.current_stream(self.device)
         self._runtime.launch_barrier(stream.cuda_stream)
         if with_cpu_sync:
             stream.synchronize()
@@ -541,6 +568,15 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         return self._comm_stream
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """(nodes, ranks per node) as the hardware groups them (virtual nodes count as nodes)."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """(scale-out ranks, scale-up ranks) the HT kernels use: (nodes, ranks per node) in hybrid
+        mode, (1, R) in direct mode."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     @staticmethod
     def capture() -> EventOverlap:

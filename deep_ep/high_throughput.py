@@ -92,6 +92,22 @@ def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _cuda_event(event: EventOverlap | torch.cuda.Event) -> torch.cuda.Event:
+    return event.event if isinstance(event, EventOverlap) else event
+
+
+def _to_col_major_scales(launch: _CommLaunch, scales: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fp8 scales ``[N, P]`` as DeepEP V2 returns them for TMA: column-major, the token dimension
+    padded to a multiple of 4 (a view ``[N, P]`` with strides ``(1, align(N, 4))``); copied on the
+    comm stream after the epilogue wrote the row-major ones."""
+    num_rows, num_groups = scales.shape
+    columns = launch.empty((num_groups, _align_up(max(num_rows, 1), 4)), torch.float32, device)
+    with torch.cuda.stream(launch.comm):
+        columns[:, num_rows:].zero_()
+        columns[:, :num_rows].copy_(scales.t())
+    return columns.t()[:num_rows]
+
+
 class _CommLaunch:
     """One operation's stream protocol: comm waits first, allocations on the chosen stream, and a
     finish() that records the event and either hands it to the caller or makes the caller wait."""
@@ -103,8 +119,7 @@ class _CommLaunch:
         self.compute = torch.cuda.current_stream(device)
         self.comm = comm
         if previous_event is not None:
-            event = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
-            comm.wait_event(event)
+            comm.wait_event(_cuda_event(previous_event))
         else:
             comm.wait_stream(self.compute)
         # With previous_event the comm stream does not wait for the caller's stream, so memory the
@@ -204,6 +219,12 @@ class HighThroughputMixin:
         previous_event: EventOverlap | None = None,
         async_with_compute_stream: bool = False,
         allocate_on_comm_stream: bool = False,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_qps: int = 0,
+        previous_event_before_epilogue: EventOverlap | None = None,
+        do_handle_copy: bool = True,
+        do_zero_padding: bool = True,
+        use_tma_aligned_col_major_sf: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         """Send each token once to every rank holding one of its experts.
 
@@ -220,6 +241,14 @@ class HighThroughputMixin:
         (default True unless cached): outputs get worst-case sizes (``R * T_max`` rows; expand
         ``align(R * T_max * min(K, L) + (a - 1) * L, a)``), only the valid prefix (expand: the
         per-expert segments) is written, and the real counts stay on the device in the handle.
+
+        DeepEP V2's extra arguments: ``cumulative_local_expert_recv_stats`` (int32 ``[L]``, uncached
+        only) gets this call's unaligned per-local-expert counts added on the comm stream;
+        ``previous_event_before_epilogue``: the copy epilogue also waits for it;
+        ``use_tma_aligned_col_major_sf`` (fp8): scales returned column-major, token dimension padded
+        to a multiple of 4 (strides ``(1, align(N, 4))``). ``num_qps`` (no RDMA queue pairs here),
+        ``do_handle_copy`` (the handle always keeps its own sanitised copy of the routing) and
+        ``do_zero_padding`` (padding rows are always zeroed) are accepted and change nothing.
 
         Every rank must call with the same hidden size, dtype, K, weights presence and T_max. An
         expert id outside [-1, E), or repeated in a token's row, is treated as -1 and raises
@@ -275,6 +304,21 @@ class HighThroughputMixin:
             )
             num_sms = self._resolve_num_sms(num_sms, num_experts, num_topk)
             self._check_previous_event(previous_event)
+            self._check_previous_event(previous_event_before_epilogue)
+            self._check_num_qps(num_qps)
+            if cumulative_local_expert_recv_stats is not None:
+                if cached:
+                    raise ValueError(
+                        "cumulative_local_expert_recv_stats cannot be used with a cached handle= (no count)"
+                    )
+                self._check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, device)
+                stats = cumulative_local_expert_recv_stats
+                num_local = num_experts // self.num_ranks
+                if stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,):
+                    raise ValueError(
+                        f"cumulative_local_expert_recv_stats must be int32 [{num_local}] (local experts), "
+                        f"got {_describe(stats)}"
+                    )
         except (ValueError, TypeError) as error:
             # This rank's input is bad, but its peers already run (or will run) this dispatch: take
             # part without data so none of them waits for this rank, then raise.
@@ -342,6 +386,11 @@ class HighThroughputMixin:
         if topk_weights is not None:
             shape = (num_rows,) if do_expand else (num_rows, num_topk)
             recv_topk_weights = launch.empty(shape, torch.float32, device)
+        if cumulative_local_expert_recv_stats is not None:
+            with torch.cuda.stream(launch.comm):
+                cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
+        if previous_event_before_epilogue is not None:
+            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
         _C.ht_dispatch_epilogue(
             self._runtime,
             call,
@@ -361,7 +410,10 @@ class HighThroughputMixin:
             self._max_num_sms,
             launch.stream,
         )
-        event = launch.finish(async_with_compute_stream, (data, scales, topk_idx, topk_weights, *new_handle.tensors()))
+        if use_fp8 and use_tma_aligned_col_major_sf:
+            recv_scales = _to_col_major_scales(launch, recv_scales, device)
+        used = (data, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats, *new_handle.tensors())
+        event = launch.finish(async_with_compute_stream, used)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
@@ -468,6 +520,8 @@ class HighThroughputMixin:
         previous_event: EventOverlap | None = None,
         async_with_compute_stream: bool = False,
         allocate_on_comm_stream: bool = False,
+        num_qps: int = 0,
+        previous_event_before_epilogue: EventOverlap | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Sum, for each token this rank dispatched, the rows it produced (plus ``bias``: a tensor or
         up to two), in fp32 in a fixed order (biases, then destination ranks ascending; expand rows
@@ -476,6 +530,9 @@ class HighThroughputMixin:
         ``x``: bf16 ``[N, H]`` (``[N', H]`` after an expand dispatch). ``topk_weights``: fp32
         ``[N, K]`` (expand ``[N']``); ``combined_topk_weights[t, k]`` is the weight of slot k sent by
         the rank owning expert k (0 for -1). Weighting is the caller's job (as in DeepEP).
+        ``previous_event_before_epilogue``: the reduce kernel also waits for it; ``num_qps`` is
+        accepted (no RDMA queue pairs here). In hybrid mode the sum runs per node first
+        (docs/architecture.md).
         Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
         """
         self._ensure_usable()
@@ -510,6 +567,8 @@ class HighThroughputMixin:
             )
             num_sms = self._resolve_num_sms(num_sms or handle.num_sms, handle.num_experts, handle.num_topk)
             self._check_previous_event(previous_event)
+            self._check_previous_event(previous_event_before_epilogue)
+            self._check_num_qps(num_qps)
         except (ValueError, TypeError) as error:
             self._combine_without_input(x, handle, error)
             raise
@@ -537,6 +596,8 @@ class HighThroughputMixin:
             launch.stream,
             False,
         )
+        if previous_event_before_epilogue is not None:
+            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
         _C.ht_combine_reduce(
             self._runtime,
             call,
@@ -838,6 +899,15 @@ class HighThroughputMixin:
                 "ranks sharing the GPU: every rank's communication CTAs must be resident at once)"
             )
         return num_sms
+
+    def _check_num_qps(self, num_qps: Any) -> None:
+        """DeepEP V2's per-call queue-pair count: no RDMA queue pairs exist here, so any value within
+        what the buffer "allocated" is accepted and changes nothing."""
+        if not isinstance(num_qps, int) or num_qps < 0:
+            raise ValueError(f"num_qps must be an int >= 0 (0 = estimate), got {num_qps!r}")
+        allocated = getattr(self, "num_allocated_qps", 0)
+        if allocated and num_qps > allocated:
+            raise ValueError(f"num_qps={num_qps} exceeds num_allocated_qps={allocated}")
 
     @staticmethod
     def _check_previous_event(previous_event: Any) -> None:
