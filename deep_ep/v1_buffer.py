@@ -1,0 +1,1121 @@
+"""``Buffer``: DeepEP V1's high-throughput API as a thin layer over one ``ElasticBuffer``.
+
+Clients written for DeepEP V1 (``deep_ep.Buffer``) switch by changing an import. Every data movement
+is the core's (``ElasticBuffer.dispatch`` / ``combine``); this module only translates arguments,
+sizes and return values:
+
+* **Sizing.** V1 clients pass byte budgets (``num_nvl_bytes``, ``num_rdma_bytes``), not a token cap.
+  The window's HT region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB
+  (:func:`window_num_bytes`). Each call's token cap ``T_max`` is the *capacity* of that region for
+  the call's shape: the largest ``T_max`` whose dispatch and combine footprints (the core's geometry,
+  ``_C.high_throughput_layout``) fit (:func:`token_capacity`). It depends only on the group, the
+  region and ``(H, K, fp8)``, so it is the same on every rank, and every rank may pass its own
+  ``T <= T_max``. A larger ``T`` raises :class:`deep_ep.BufferTooSmallError` naming the bytes needed.
+* **Results with V1's meanings.** ``recv_topk_idx`` holds local expert ids and -1 elsewhere; the
+  weights of -1 slots are zeroed (the core forwards all K). With ``num_worst_tokens > 0`` there is no
+  CPU sync: outputs have exactly ``num_worst_tokens`` rows, rows past the received count have
+  ``recv_topk_idx = -1`` and weight 0.
+* **Handles.** :class:`DispatchHandle` wraps the core's ``EPHandle``; it is accepted back by
+  ``dispatch(handle=)`` and ``combine`` and indexable like V1's tuple where we can give V1's value
+  exactly (see its docstring). V1's ``rank_prefix_matrix`` is not known locally (each rank learns
+  only what it receives); ``handle[0]`` raises ``IndexError`` saying so, and
+  :meth:`Buffer.gather_rank_prefix_matrix` computes it with one explicit collective.
+* **Streams.** As V1: kernels on the communication stream; ``async_finish`` returns an event
+  (``async_with_compute_stream`` in the core), otherwise the caller's stream waits. With
+  ``previous_event`` the comm stream waits for that event only, so new tensors are allocated on the
+  comm stream (whatever ``allocate_on_comm_stream`` says) and handed to the caller's stream with
+  ``record_stream``: memory the caller's stream freed is never reused while that stream may still
+  use it (the core does the same).
+* **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): low-latency mode
+  and every ``low_latency_*`` call (they need the compact receive rows of :data:`LOW_LATENCY_ISSUE`),
+  ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``, ``comm``, and a dispatch without ``topk_idx``.
+  Accepted without effect: ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` (no RDMA
+  queue pairs exist here; the LL path is not served) and the chunk sizes of a V1 ``Config`` (V1's
+  ring-buffer tuning; only ``config.num_sms`` maps onto the core).
+
+Failure semantics are the core's (docs/api.md, "When something goes wrong"): when this layer refuses
+a call's arguments it first takes part in the operation without data, like the core does, so the
+peers never wait for this rank, then raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deep_ep import _C
+from deep_ep.buffer import ElasticBuffer
+from deep_ep.errors import BufferTooSmallError
+from deep_ep.event import EventOverlap
+from deep_ep.handle import EPHandle
+from deep_ep.window import window_tensor
+
+__all__ = [
+    "LOW_LATENCY_ISSUE",
+    "Buffer",
+    "DispatchHandle",
+    "bytes_for_tokens",
+    "check_unbacked_options",
+    "dispatch_layout",
+    "fit_rows",
+    "mask_rows_past",
+    "sass_architectures",
+    "token_capacity",
+    "v1_dispatch_outputs",
+    "window_num_bytes",
+    "zero_foreign_weights",
+]
+
+LOW_LATENCY_ISSUE = "issue 11 §3b (compact low-latency receive rows)"
+
+# V1's default SM count for HT kernels (Buffer.num_sms); set_num_sms changes it for every buffer.
+_V1_DEFAULT_NUM_SMS = 20
+# Upper bound of the capacity search (far beyond any window: 2^40 tokens per rank).
+_MAX_CAPACITY = 1 << 40
+
+
+# --------------------------------------------------------------------------- pure helpers (no GPU)
+
+
+def check_unbacked_options(
+    *,
+    low_latency_mode: bool = False,
+    allow_mnnvl: bool = False,
+    use_fabric: bool = False,
+    enable_shrink: bool = False,
+    comm: Any = None,
+) -> None:
+    """Raise NotImplementedError naming the first V1 constructor option the core does not back."""
+    if low_latency_mode:
+        raise NotImplementedError(
+            "Buffer(low_latency_mode=True) is not implemented: the V1 low-latency calls need the compact "
+            f"receive rows of {LOW_LATENCY_ISSUE}; use deep_ep.ElasticBuffer's low_latency_dispatch / "
+            "low_latency_combine (their own layout, docs/api.md) until then"
+        )
+    if allow_mnnvl:
+        raise NotImplementedError(
+            "Buffer(allow_mnnvl=True) is not implemented: multi-node NVLink domains (ranks of several hosts "
+            "sharing load/store memory) are not supported; ranks on several hosts use the hybrid HT mode"
+        )
+    if use_fabric:
+        raise NotImplementedError(
+            "Buffer(use_fabric=True) is not implemented: windows are shared through NCCL windows or CUDA IPC, "
+            "not fabric memory handles"
+        )
+    if enable_shrink:
+        raise NotImplementedError(
+            "Buffer(enable_shrink=True) is not implemented: the low-latency rank masks (shrinking a group around "
+            "failed ranks) do not exist here; a failed peer raises CommTimeoutError naming it"
+        )
+    if comm is not None:
+        raise NotImplementedError(
+            f"Buffer(comm={type(comm).__name__}) is not implemented: pass a torch.distributed process group as "
+            "`group` (an mpi4py communicator is not supported)"
+        )
+
+
+def _non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def window_num_bytes(num_nvl_bytes: int, num_rdma_bytes: int) -> int:
+    """``num_bytes`` of the ElasticBuffer behind ``Buffer(group, num_nvl_bytes, num_rdma_bytes)``: the
+    window whose HT region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB, plus the 2 MiB
+    workspace (no low-latency region). The two budgets are pooled: the core has one HT region in
+    both topologies (hybrid mode keeps its scale-out staging inside it)."""
+    total = _non_negative_int("num_nvl_bytes", num_nvl_bytes) + _non_negative_int("num_rdma_bytes", num_rdma_bytes)
+    return int(_C.window_layout(total, 0)["total_bytes"])
+
+
+def bytes_for_tokens(
+    num_ranks: int, num_scaleup_ranks: int, num_tokens: int, hidden: int, num_topk: int, use_fp8: bool
+) -> int:
+    """HT region bytes a call with ``T_max = num_tokens`` needs: the larger of the dispatch and the
+    combine footprint (combine is always bf16). ``num_nvl_bytes + num_rdma_bytes`` at least this
+    lets every rank pass up to ``num_tokens`` tokens for this shape."""
+    layout = _C.high_throughput_layout(num_ranks, num_scaleup_ranks, num_tokens, hidden, num_topk, use_fp8)
+    return int(max(layout["dispatch_bytes"], layout["combine_bytes"]))
+
+
+@functools.lru_cache(maxsize=256)
+def token_capacity(
+    num_ranks: int, num_scaleup_ranks: int, ht_region_bytes: int, hidden: int, num_topk: int, use_fp8: bool
+) -> int:
+    """The largest ``T_max`` whose footprint (:func:`bytes_for_tokens`) fits ``ht_region_bytes``; 0 if
+    not even one token per rank fits. The footprint grows with ``T_max``, so this is a doubling then a
+    bisection over the core's geometry (memoised per shape)."""
+
+    def fits(num_tokens: int) -> bool:
+        needed = bytes_for_tokens(num_ranks, num_scaleup_ranks, num_tokens, hidden, num_topk, use_fp8)
+        return needed <= ht_region_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= _MAX_CAPACITY and fits(high):
+        low, high = high, high * 2
+    # fits(low) holds; fits(high) does not (or high is past the search bound).
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def dispatch_layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """V1's ``get_dispatch_layout`` results, with torch ops on ``topk_idx``'s device (no sync).
+
+    Returns ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [R / num_ranks_per_node]
+    or None, num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])``. A token counts once per
+    rank (and once per node) however many of its experts live there. Entries outside ``[0, E)`` (-1
+    included) are ignored, and an expert repeated within a row counts once, as the core routes it
+    (repeats and out-of-range ids are treated as -1 there). ``num_ranks_per_node`` None or ``R``:
+    one node, ``num_tokens_per_rdma_rank`` is None.
+    """
+    per_node = _check_layout_inputs(topk_idx, num_experts, num_ranks, num_ranks_per_node)
+    num_tokens, num_topk = topk_idx.shape
+    device = topk_idx.device
+    num_local = num_experts // num_ranks
+    idx = topk_idx.long()
+    valid = (idx >= 0) & (idx < num_experts)
+    if num_topk > 1:
+        # An id equal to one in an earlier slot of its row is a repeat (the core counts the first only).
+        earlier = torch.ones(num_topk, num_topk, dtype=torch.bool, device=device).tril(-1)
+        repeated = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & earlier).any(dim=2)
+        valid &= ~repeated
+    rank_of = torch.where(valid, idx // num_local, torch.full_like(idx, num_ranks))
+    ranks = torch.arange(num_ranks, device=device)
+    is_token_in_rank = (rank_of.unsqueeze(2) == ranks).any(dim=1)
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+    expert = torch.where(valid, idx, torch.full_like(idx, num_experts)).flatten()
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    per_expert.scatter_add_(0, expert, torch.ones_like(expert))
+    num_tokens_per_expert = per_expert[:num_experts].to(torch.int32)
+    num_tokens_per_rdma_rank = None
+    if per_node < num_ranks:
+        in_node = is_token_in_rank.view(num_tokens, num_ranks // per_node, per_node).any(dim=2)
+        num_tokens_per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)
+    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+
+
+def _check_layout_inputs(topk_idx: Any, num_experts: Any, num_ranks: int, num_ranks_per_node: int | None) -> int:
+    """Validate :func:`dispatch_layout`'s arguments; returns the ranks per node."""
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be a [T, K] tensor, got {_describe(topk_idx)}")
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"topk_idx must be int64 (or int32), got {_describe(topk_idx)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})")
+    per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
+    if per_node < 1 or num_ranks % per_node != 0:
+        raise ValueError(f"num_ranks_per_node must divide the group size {num_ranks}, got {num_ranks_per_node}")
+    return per_node
+
+
+def zero_foreign_weights(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor) -> torch.Tensor:
+    """V1's received weights: 0 where ``recv_topk_idx`` is -1 (the expert lives on another rank, or the
+    slot is empty). In place; returns ``recv_topk_weights``."""
+    return recv_topk_weights.masked_fill_(recv_topk_idx < 0, 0.0)
+
+
+def mask_rows_past(recv_topk_idx: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    """Set rows ``>= num_valid`` (a one-element tensor on the same device, read there: no sync) to -1,
+    in place: the padding rows of a ``num_worst_tokens`` dispatch. Returns ``recv_topk_idx``."""
+    rows = torch.arange(recv_topk_idx.shape[0], device=recv_topk_idx.device)
+    return recv_topk_idx.masked_fill_((rows >= num_valid.to(rows.dtype)).unsqueeze(1), -1)
+
+
+def fit_rows(tensor: torch.Tensor | None, num_rows: int, fill: float, empty: Any = None) -> torch.Tensor | None:
+    """``tensor`` with exactly ``num_rows`` rows: a view of its first rows, or (when it has fewer) a new
+    tensor holding it followed by rows of ``fill``. ``empty(shape, dtype, device)`` allocates that new
+    tensor (default ``torch.empty``)."""
+    if tensor is None:
+        return None
+    if num_rows <= tensor.shape[0]:
+        return tensor.narrow(0, 0, num_rows)
+    allocate = empty or (lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
+    padded = allocate((num_rows, *tensor.shape[1:]), tensor.dtype, tensor.device)
+    padded[: tensor.shape[0]].copy_(tensor)
+    padded[tensor.shape[0] :].fill_(fill)
+    return padded
+
+
+def v1_dispatch_outputs(
+    recv_x: Any,
+    recv_topk_idx: torch.Tensor | None,
+    recv_topk_weights: torch.Tensor | None,
+    core_handle: EPHandle,
+    num_worst_tokens: int,
+    empty: Any = None,
+) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle]:
+    """The core's uncached dispatch outputs with V1's meanings (device ops on the current stream, no sync).
+
+    Weights of -1 slots are zeroed in place. ``num_worst_tokens > 0`` (the core ran without CPU sync
+    and sized its outputs ``R * T_max`` rows, writing the received prefix only): every output gets
+    exactly ``num_worst_tokens`` rows (a view, or a padded copy through ``empty``), rows past the
+    received count get ``recv_topk_idx = -1`` (hence weight 0), and the returned EPHandle is a copy of
+    ``core_handle`` describing ``num_worst_tokens`` rows (combine then takes x of that many rows, a
+    cached dispatch allocates that many; only the received prefix is read or written)."""
+    if num_worst_tokens > 0:
+        core_rows = core_handle.num_recv_tokens
+        rows = num_worst_tokens
+        if isinstance(recv_x, (tuple, list)):
+            recv_x = (fit_rows(recv_x[0], rows, 0, empty), fit_rows(recv_x[1], rows, 0, empty))
+        else:
+            recv_x = fit_rows(recv_x, rows, 0, empty)
+        recv_topk_idx = fit_rows(recv_topk_idx, rows, -1, empty)
+        recv_topk_weights = fit_rows(recv_topk_weights, rows, 0.0, empty)
+        if recv_topk_idx is not None:
+            mask_rows_past(recv_topk_idx, core_handle.psum_num_recv_tokens_per_scaleup_rank[-1:])
+        core_handle = dataclasses.replace(
+            core_handle,
+            num_recv_tokens=rows,
+            recv_src_metadata=core_handle.recv_src_metadata.narrow(0, 0, min(rows, core_rows)),
+        )
+    if recv_topk_weights is not None and recv_topk_idx is not None:
+        zero_foreign_weights(recv_topk_idx, recv_topk_weights)
+    return recv_x, recv_topk_idx, recv_topk_weights, core_handle
+
+
+def sass_architectures(path: str) -> frozenset[int]:
+    """The SM architectures (e.g. 90 for sm_90) with SASS in the shared object at ``path``, read from its
+    ``.nv_fatbin`` section (entries of kind 2 are ELF cubins, their header holds the arch). Empty when
+    the file cannot be read or holds no fatbin."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        if data[:4] != b"\x7fELF" or data[4] != 2:  # ELF64 only
+            return frozenset()
+        (section_offset,) = struct.unpack_from("<Q", data, 0x28)
+        entry_size, num_sections, names_index = struct.unpack_from("<HHH", data, 0x3A)
+        sections = [
+            struct.unpack_from("<IIQQQQ", data, section_offset + index * entry_size) for index in range(num_sections)
+        ]
+        names_offset = sections[names_index][4]
+
+        def name(offset: int) -> bytes:
+            start = names_offset + offset
+            return data[start : data.index(b"\0", start)]
+
+        archs: set[int] = set()
+        for name_offset, _, _, _, offset, size in sections:
+            if name(name_offset) != b".nv_fatbin":
+                continue
+            position, end = offset, offset + size
+            while position + 16 <= end:
+                magic, _, header_size, fat_size = struct.unpack_from("<IHHQ", data, position)
+                if magic != 0xBA55ED50:
+                    position += 8  # fatbins are 8-byte aligned inside the section
+                    continue
+                entry, entries_end = position + header_size, position + header_size + fat_size
+                while entry + 32 <= entries_end:
+                    kind, _, entry_header_size, entry_size_bytes = struct.unpack_from("<HHIQ", data, entry)
+                    (arch,) = struct.unpack_from("<I", data, entry + 28)
+                    if kind == 2:
+                        archs.add(arch)
+                    entry += entry_header_size + entry_size_bytes
+                position = entries_end
+        return frozenset(archs)
+    except (OSError, struct.error, ValueError, IndexError):
+        return frozenset()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
+@functools.cache
+def _config_module() -> Any:
+    """deep_ep.config (V1 ``Config`` and size hints, written separately) if present, else None."""
+    try:
+        return importlib.import_module("deep_ep.config")
+    except ModuleNotFoundError as error:
+        if error.name != "deep_ep.config":
+            raise
+        return None
+
+
+def _config_function(name: str) -> Any:
+    module = _config_module()
+    function = getattr(module, name, None) if module is not None else None
+    if function is None:
+        raise NotImplementedError(f"Buffer.{name} needs deep_ep.config.{name}, which this build does not have")
+    return function
+
+
+def _tuned_config(name: str, num_ranks: int) -> Any:
+    """deep_ep.config's table entry, built with ``Buffer.num_sms`` as V1's Buffer builds it."""
+    function = _config_function(name)
+    if "num_sms" in inspect.signature(function).parameters:
+        return function(num_ranks, num_sms=Buffer.num_sms)
+    return function(num_ranks)
+
+
+def _cuda_event(event: Any) -> torch.cuda.Event:
+    return event.event if isinstance(event, EventOverlap) else event
+
+
+# --------------------------------------------------------------------------------------- handle
+
+_UNAVAILABLE_CHANNELS = (
+    "is bookkeeping of V1's channel ring buffers (per-channel prefix sums and ring positions), which this "
+    "implementation does not have: combine and cached dispatch take the whole handle instead"
+)
+
+
+class DispatchHandle:
+    """What ``Buffer.dispatch`` returns as ``handle``: the core's ``EPHandle`` (``.core``) plus the
+    V1 view of it. Pass it back to ``dispatch(handle=)`` and ``combine``.
+
+    Indexable like V1's tuple where we can give V1's value exactly; other positions raise IndexError
+    naming what is missing (iteration and unpacking raise TypeError: V1's tuple cannot be rebuilt).
+    One node (V1's intranode tuple, ``len == 6``): ``[3]`` ``recv_src_idx`` int32 [N] (source token
+    of each received row) and ``[4]`` ``is_token_in_rank`` bool [T, R]; ``[0]``
+    (``rank_prefix_matrix``) raises, see :attr:`recv_rank_prefix_sum` and
+    :meth:`Buffer.gather_rank_prefix_matrix`. Several nodes (hybrid mode; V1's internode tuple,
+    ``len == 10``): ``[0]`` ``is_token_in_rank`` and ``[6]`` ``recv_gbl_rank_prefix_sum`` int32 [R].
+    The tensors are valid once the dispatch's event completed, like every output.
+
+    ``num_recv_tokens`` is the row count of the dispatch's outputs (``num_worst_tokens`` when given).
+    """
+
+    def __init__(
+        self,
+        core: EPHandle,
+        *,
+        num_recv_tokens: int,
+        num_worst_tokens: int,
+        rank: int,
+        is_token_in_rank: torch.Tensor | None = None,
+    ) -> None:
+        self.core = core
+        self.num_recv_tokens = num_recv_tokens
+        self.num_worst_tokens = num_worst_tokens
+        self.rank = rank
+        self._is_token_in_rank = is_token_in_rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self.core.num_ranks
+
+    @property
+    def internode(self) -> bool:
+        """The dispatch ran in hybrid mode (several nodes): the handle mimics V1's internode tuple."""
+        return self.core.num_nodes > 1
+
+    @property
+    def recv_rank_prefix_sum(self) -> torch.Tensor:
+        """int32 [R]: inclusive prefix sum over source ranks of the tokens this rank received, i.e.
+        column ``rank`` of V1's ``rank_prefix_matrix`` (and V1's internode ``recv_gbl_rank_prefix_sum``).
+        Rows ``[prefix[s - 1], prefix[s])`` of the outputs came from rank ``s``."""
+        return self.core.psum_num_recv_tokens_per_scaleup_rank
+
+    @property
+    def num_recv_tokens_device(self) -> torch.Tensor:
+        """int32 [1] on the device: the rows really received (``<= num_recv_tokens``), without a sync."""
+        return self.core.psum_num_recv_tokens_per_scaleup_rank[-1:]
+
+    @property
+    def recv_src_idx(self) -> torch.Tensor:
+        """int32 [num_recv_tokens]: the source rank's token index of each received row (V1's
+        ``recv_src_idx``; rows past the received count are undefined with ``num_worst_tokens``)."""
+        metadata = self.core.recv_src_metadata
+        column = metadata[:, 1].contiguous()  # (source rank, source token, combine slot) per row
+        if column.shape[0] < self.num_recv_tokens:
+            column = fit_rows(column, self.num_recv_tokens, -1)
+        return column
+
+    @property
+    def is_token_in_rank(self) -> torch.Tensor:
+        """bool [T, R]: the one passed to dispatch, else computed from the dispatch's routing."""
+        if self._is_token_in_rank is None:
+            core = self.core
+            self._is_token_in_rank = dispatch_layout(core.topk_idx, core.num_experts, core.num_ranks)[3]
+        return self._is_token_in_rank
+
+    def _fields(self) -> list[tuple[str, Any]]:
+        """(name, getter or None) in V1's tuple order."""
+        if not self.internode:
+            return [
+                ("rank_prefix_matrix", None),
+                ("channel_prefix_matrix", None),
+                ("recv_channel_prefix_matrix", None),
+                ("recv_src_idx", lambda: self.recv_src_idx),
+                ("is_token_in_rank", lambda: self.is_token_in_rank),
+                ("send_head", None),
+            ]
+        return [
+            ("is_token_in_rank", lambda: self.is_token_in_rank),
+            ("rdma_channel_prefix_matrix", None),
+            ("gbl_channel_prefix_matrix", None),
+            ("recv_rdma_channel_prefix_matrix", None),
+            ("recv_rdma_rank_prefix_sum", None),
+            ("recv_gbl_channel_prefix_matrix", None),
+            ("recv_gbl_rank_prefix_sum", lambda: self.recv_rank_prefix_sum),
+            ("recv_src_meta", None),
+            ("send_rdma_head", None),
+            ("send_nvl_head", None),
+        ]
+
+    def __len__(self) -> int:
+        return len(self._fields())
+
+    def __getitem__(self, index: Any) -> Any:
+        fields = self._fields()
+        if isinstance(index, slice):
+            return tuple(self[position] for position in range(*index.indices(len(fields))))
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"DispatchHandle indices must be integers or slices, got {type(index).__name__}")
+        if not -len(fields) <= index < len(fields):
+            raise IndexError(f"DispatchHandle index {index} out of range (V1's handle has {len(fields)} entries)")
+        name, getter = fields[index]
+        if getter is not None:
+            return getter()
+        kind = "internode" if self.internode else "intranode"
+        if name == "rank_prefix_matrix":
+            reason = (
+                f"needs every rank's send counts, but each rank here learns only what it receives: column "
+                f"{self.rank} of it is handle.recv_rank_prefix_sum (exact); Buffer.gather_rank_prefix_matrix(handle) "
+                "builds the whole matrix with one all-gather over the group (collective)"
+            )
+        elif name == "recv_src_meta":
+            reason = "is V1's internode per-row source record; handle.core.recv_src_metadata holds ours"
+        elif name == "recv_rdma_rank_prefix_sum":
+            reason = "counts V1's per-node forwarding; the hybrid routing here keeps other per-node counts"
+        else:
+            reason = _UNAVAILABLE_CHANNELS
+        raise IndexError(f"handle[{index}] (V1 {kind} handle entry '{name}') is not available: it {reason}")
+
+    def __iter__(self) -> Iterator[Any]:
+        unavailable = [name for name, getter in self._fields() if getter is None]
+        raise TypeError(
+            f"a DispatchHandle cannot be iterated or unpacked like V1's tuple: {', '.join(unavailable)} are not "
+            "available; index the entries you need (see DispatchHandle) or pass the handle back whole"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DispatchHandle(num_recv_tokens={self.num_recv_tokens}, num_worst_tokens={self.num_worst_tokens}, "
+            f"rank={self.rank}, num_ranks={self.num_ranks}, internode={self.internode})"
+        )
+
+
+# --------------------------------------------------------------------------------------- streams
+
+
+class _Streams:
+    """Where a call's extra work runs and its new tensors are allocated, with V1's rules: work on the
+    communication stream when asked (async or previous_event), allocations on the comm stream when
+    ``allocate_on_comm_stream`` (and then handed to the caller's stream with record_stream)."""
+
+    def __init__(self, buffer: ElasticBuffer, *, work_on_comm: bool, allocate_on_comm: bool) -> None:
+        self.compute = torch.cuda.current_stream(buffer.device)
+        self.comm = buffer.get_comm_stream()
+        self.work = self.comm if work_on_comm else self.compute
+        self.alloc = self.comm if allocate_on_comm else self.compute
+        self.allocated: list[torch.Tensor] = []
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.cuda.stream(self.alloc):
+            tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        self.allocated.append(tensor)
+        return tensor
+
+    def working(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.work) if self.work is not self.compute else contextlib.nullcontext()
+
+    def hand_over(self) -> None:
+        if self.alloc is self.comm and not torch.cuda.is_current_stream_capturing():
+            for tensor in self.allocated:
+                tensor.record_stream(self.compute)
+
+
+# --------------------------------------------------------------------------------------- buffer
+
+
+class Buffer:
+    """DeepEP V1's ``deep_ep.Buffer`` (high-throughput calls) over one :class:`deep_ep.ElasticBuffer`.
+
+    Construction is collective over ``group`` (a torch.distributed process group); the window is
+    :func:`window_num_bytes` bytes. ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` are
+    accepted and recorded (no RDMA queue pairs here; no V1 low-latency path). ``low_latency_mode``,
+    ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and ``comm`` raise NotImplementedError before
+    anything is allocated (:func:`check_unbacked_options`).
+
+    ``explicitly_destroy`` as V1: True means the caller releases the buffer with :meth:`destroy`
+    (collective: a closing barrier through the window makes sure no peer still uses it, then it is
+    freed); False means the window is freed when the buffer is garbage-collected (without that
+    barrier) and :meth:`destroy` refuses, as V1's does.
+    """
+
+    num_sms: int = _V1_DEFAULT_NUM_SMS
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+    ) -> None:
+        self._core: ElasticBuffer | None = None
+        check_unbacked_options(
+            low_latency_mode=low_latency_mode,
+            allow_mnnvl=allow_mnnvl,
+            use_fabric=use_fabric,
+            enable_shrink=enable_shrink,
+            comm=comm,
+        )
+        num_bytes = window_num_bytes(num_nvl_bytes, num_rdma_bytes)
+        _non_negative_int("num_qps_per_rank", num_qps_per_rank)
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
+        self.enable_shrink = enable_shrink
+        self.explicitly_destroy = explicitly_destroy
+        self._core = ElasticBuffer(group, num_bytes, explicitly_destroy=explicitly_destroy)
+
+    # ------------------------------------------------------------------ V1 class-level API
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs the HT kernels use when no ``config`` is passed (V1: even); for every Buffer. Capped per
+        call at this rank's SM share (the device's SMs divided by the ranks sharing the GPU)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms < 2:
+            raise ValueError(f"num_sms must be an int >= 2, got {new_num_sms!r}")
+        if new_num_sms % 2 != 0:
+            raise ValueError(f"num_sms must be even (V1's rule), got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True when deep_ep's extension holds sm_90 kernels (SASS in its fatbin, ``EP_CUDA_ARCHS``)."""
+        return 90 in sass_architectures(_C.__file__)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An EventOverlap recorded on the current stream (to pass as ``previous_event``)."""
+        return ElasticBuffer.capture()
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Any:
+        """V1's recommended dispatch ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.config)."""
+        return _tuned_config("get_dispatch_config", num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Any:
+        """V1's recommended combine ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.config)."""
+        return _tuned_config("get_combine_config", num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """V1's low-latency size hint (deep_ep.config); the V1 low-latency calls themselves are not served."""
+        return _config_function("get_low_latency_rdma_size_hint")(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _usable_core(self) -> ElasticBuffer:
+        core = self._core
+        if core is None:
+            raise RuntimeError("this Buffer was destroyed (or its construction failed)")
+        core._ensure_usable()
+        core._check_fatal_errors()
+        return core
+
+    def _num_scaleup_ranks(self) -> int:
+        return self._core.num_scaleup_ranks
+
+    def _ht_region_bytes(self) -> int:
+        return int(self._core._window["ht_bytes"])
+
+    def token_capacity(self, hidden: int, num_topk: int, use_fp8: bool) -> int:
+        """Tokens per rank a call of this shape may pass (the per-call ``T_max``, same on every rank)."""
+        return token_capacity(
+            self.group_size, self._num_scaleup_ranks(), self._ht_region_bytes(), hidden, num_topk, use_fp8
+        )
+
+    def _resolve_num_sms(self, config: Any) -> int:
+        """``config.num_sms`` (V1 ``Config``) or ``Buffer.num_sms``, capped at this rank's SM share."""
+        if config is None:
+            requested = type(self).num_sms
+        else:
+            requested = getattr(config, "num_sms", None)
+            if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+                raise TypeError(
+                    f"config must be a V1 Config with an int num_sms >= 1 (its chunk sizes tune V1's ring buffers and "
+                    f"are not used here), got {type(config).__name__} with num_sms={requested!r}"
+                )
+        return min(requested, self._core._max_num_sms)
+
+    @staticmethod
+    def _check_stream_options(previous_event: Any) -> None:
+        if previous_event is None:
+            return
+        if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if isinstance(previous_event, EventOverlap) and previous_event.event is None:
+            raise ValueError("previous_event holds no event (EventOverlap(None), the result of a synchronous call)")
+
+    def _row_major_scales(self, x: Any, previous_event: Any) -> Any:
+        """x with fp8 scales made row-major contiguous (V1 accepts any strides; the core reads rows).
+        The copy runs where the core's kernels will see it: on the caller's stream (the comm stream
+        waits for it), or with previous_event on the comm stream after that event."""
+        if not isinstance(x, (tuple, list)) or len(x) != 2:
+            return x
+        data, scales = x
+        if not isinstance(scales, torch.Tensor) or scales.is_contiguous():
+            return (data, scales)
+        if previous_event is None:
+            return (data, scales.contiguous())
+        comm = self._core.get_comm_stream()
+        comm.wait_event(_cuda_event(previous_event))
+        with torch.cuda.stream(comm):
+            return (data, scales.contiguous())
+
+    def _check_layout_arguments(
+        self,
+        num_tokens: int,
+        num_experts: int,
+        num_tokens_per_rank: Any,
+        num_tokens_per_rdma_rank: Any,
+        is_token_in_rank: Any,
+    ) -> None:
+        """Cheap checks (shapes, dtypes) of V1's layout arguments. Their values are not compared with
+        topk_idx (that needs a sync): the core recomputes the layout from topk_idx."""
+        num_ranks = self.group_size
+        for name, value, shape in (
+            ("num_tokens_per_rank", num_tokens_per_rank, (num_ranks,)),
+            ("is_token_in_rank", is_token_in_rank, (num_tokens, num_ranks)),
+        ):
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {_describe(value)}")
+        if is_token_in_rank is not None and is_token_in_rank.dtype != torch.bool:
+            raise ValueError(f"is_token_in_rank must be bool [T, R], got {_describe(is_token_in_rank)}")
+        nodes = self._core.num_scaleout_ranks
+        if num_tokens_per_rdma_rank is not None and nodes > 1:
+            if not isinstance(num_tokens_per_rdma_rank, torch.Tensor) or tuple(num_tokens_per_rdma_rank.shape) != (
+                nodes,
+            ):
+                raise ValueError(
+                    f"num_tokens_per_rdma_rank must be a tensor of shape [{nodes}] (nodes), got "
+                    f"{_describe(num_tokens_per_rdma_rank)}"
+                )
+
+    def _too_small(self, num_tokens: int, hidden: int, num_topk: int, use_fp8: bool) -> BufferTooSmallError:
+        capacity = self.token_capacity(hidden, num_topk, use_fp8)
+        needed = bytes_for_tokens(
+            self.group_size, self._num_scaleup_ranks(), max(num_tokens, 1), hidden, num_topk, use_fp8
+        )
+        available = self._ht_region_bytes()
+        return BufferTooSmallError(
+            f"dispatch of T={num_tokens} tokens (H={hidden}, K={num_topk}, {'fp8' if use_fp8 else 'bf16'}) on "
+            f"{self.group_size} ranks needs num_nvl_bytes + num_rdma_bytes >= {needed}; this Buffer's "
+            f"{available} bytes (num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes}) hold at "
+            f"most {capacity} tokens per rank for this shape",
+            needed_bytes=needed,
+            available_bytes=available,
+        )
+
+    # ------------------------------------------------------------------ layout
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [nodes] or None on one node,
+        num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], event)`` from torch ops on the
+        device (:func:`dispatch_layout`; no CPU sync). With ``previous_event``, ``async_finish`` or
+        ``allocate_on_comm_stream`` the work runs on the communication stream, as V1's kernel does."""
+        core = self._usable_core()
+        self._check_stream_options(previous_event)
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.device != core._torch_device:
+            raise ValueError(
+                f"topk_idx must be a tensor on this buffer's device {core._torch_device}, got {_describe(topk_idx)}"
+            )
+        nodes = core.num_scaleout_ranks
+        per_node = core.num_scaleup_ranks if nodes > 1 else None
+        _check_layout_inputs(topk_idx, num_experts, self.group_size, per_node)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            return (*dispatch_layout(topk_idx, num_experts, self.group_size, per_node), EventOverlap(None))
+        streams = _Streams(
+            core, work_on_comm=True, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
+        )
+        if previous_event is not None:
+            streams.comm.wait_event(_cuda_event(previous_event))
+        else:
+            streams.comm.wait_stream(streams.compute)
+        device = topk_idx.device
+        outputs = [
+            streams.empty((self.group_size,), torch.int32, device),
+            streams.empty((nodes,), torch.int32, device) if per_node is not None else None,
+            streams.empty((num_experts,), torch.int32, device),
+            streams.empty((topk_idx.shape[0], self.group_size), torch.bool, device),
+        ]
+        with streams.working():
+            results = dispatch_layout(topk_idx, num_experts, self.group_size, per_node)
+            for output, result in zip(outputs, results, strict=True):
+                if output is not None:
+                    output.copy_(result)
+        streams.hand_over()
+        event = torch.cuda.Event()
+        event.record(streams.comm)
+        if async_finish:
+            keep = (topk_idx, *(output for output in outputs if output is not None))
+            return (*outputs, EventOverlap(event, extra_tensors=keep))
+        streams.compute.wait_event(event)
+        return (*outputs, EventOverlap(None))
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Any = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, list[int] | None, DispatchHandle | None, EventOverlap]:
+        """V1's HT dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``.
+
+        ``x``: bf16 ``[T, H]`` or ``(fp8 [T, H], fp32 scales [T, H/128])``, scales of any strides.
+        ``num_tokens_per_expert`` (int [E]) gives ``E`` and is required, as in V1; ``topk_idx`` int64
+        ``[T, K]`` is required (routing by ``is_token_in_rank`` alone raises NotImplementedError). The
+        layout arguments are checked for shape only; the core recomputes the layout from ``topk_idx``.
+        Rows arrive ordered by (source rank, source token). ``recv_topk_idx`` int64 ``[N, K]``: local
+        expert ids, -1 elsewhere; ``recv_topk_weights`` fp32 ``[N, K]``, 0 where ``recv_topk_idx`` is
+        -1. ``num_recv_tokens_per_expert_list``: per local expert, rounded up to ``expert_alignment``
+        (empty with ``num_worst_tokens``). ``num_worst_tokens > 0``: no CPU sync (CUDA-graph safe), every
+        output has ``num_worst_tokens`` rows (it must be at least the rows this rank receives, V1's
+        contract), rows past the received ones have ``recv_topk_idx = -1`` and weight 0.
+
+        Memory: without a CPU sync the core sizes its outputs for the worst case, ``R * T_max`` rows
+        (``T_max`` the capacity), and the returned outputs are views of their first rows (copies
+        padded with -1 / 0 rows when ``num_worst_tokens`` is larger).
+
+        ``handle=`` (cached dispatch, no sync): the routing of that dispatch, ``topk_idx`` and
+        ``topk_weights`` must be None, the layout arguments and ``num_worst_tokens`` are ignored
+        (rows come from the handle); returns ``(recv_x, None, None, None, None, event)`` as V1.
+
+        The call's token cap is :meth:`token_capacity` for ``(H, K, fp8)``; a larger ``T`` raises
+        BufferTooSmallError (after taking part without data: its peers get PeerInputError).
+        """
+        core = self._usable_core()
+        if handle is not None:
+            return self._cached_dispatch(
+                core, x, handle, topk_idx, topk_weights, config, previous_event, async_finish, allocate_on_comm_stream
+            )
+        num_experts: Any = None
+        try:
+            if isinstance(num_tokens_per_expert, torch.Tensor) and num_tokens_per_expert.dim() == 1:
+                num_experts = int(num_tokens_per_expert.shape[0])
+            elif num_tokens_per_expert is not None:
+                raise ValueError(
+                    f"num_tokens_per_expert must be a 1-D tensor [E], got {_describe(num_tokens_per_expert)}"
+                )
+            else:
+                raise ValueError(
+                    "num_tokens_per_expert must be given (V1's dispatch learns the number of experts from its "
+                    "length; get_dispatch_layout returns it)"
+                )
+            if topk_idx is None:
+                raise NotImplementedError(
+                    "dispatch without topk_idx (V1 routes by is_token_in_rank alone and counts experts from "
+                    "num_tokens_per_expert) is not implemented: the core routes by expert ids; pass topk_idx"
+                )
+            self._check_stream_options(previous_event)
+            num_sms = self._resolve_num_sms(config)
+            if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+                raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+            x = self._row_major_scales(x, previous_event)
+            data = x[0] if isinstance(x, (tuple, list)) else x
+            use_fp8 = isinstance(x, (tuple, list))
+            if not isinstance(data, torch.Tensor) or data.dim() != 2:
+                raise ValueError(f"x must be bf16 [T, H] or an (fp8 [T, H], scales) pair, got {_describe(data)}")
+            if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+                raise ValueError(f"topk_idx must be int64 [T, K], got {_describe(topk_idx)}")
+            num_tokens, hidden = data.shape
+            num_topk = topk_idx.shape[1]
+            self._check_layout_arguments(
+                num_tokens, num_experts, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank
+            )
+            capacity = self.token_capacity(hidden, num_topk, use_fp8)
+        except Exception as error:
+            # Peers run this dispatch: take part without data (as the core does for its own checks).
+            core._dispatch_without_input(None, num_experts, error)
+            raise
+        too_small = num_tokens > capacity or capacity < 1
+        try:
+            recv_x, recv_topk_idx, recv_topk_weights, core_handle, core_event = core.dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_experts=num_experts,
+                num_max_tokens_per_rank=max(capacity, 1),
+                expert_alignment=expert_alignment,
+                num_sms=num_sms,
+                do_cpu_sync=num_worst_tokens == 0,
+                previous_event=previous_event,
+                async_with_compute_stream=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+            )
+        except ValueError as error:
+            if too_small:  # the core refused T > T_max (or T_max = 1 not fitting) after taking part
+                raise self._too_small(num_tokens, hidden, num_topk, use_fp8) from error
+            raise
+
+        rows = num_worst_tokens if num_worst_tokens > 0 else core_handle.num_recv_tokens
+        streams = _Streams(
+            core, work_on_comm=async_finish, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
+        )
+        with streams.working():
+            out_x, recv_topk_idx, recv_topk_weights, core_handle = v1_dispatch_outputs(
+                recv_x, recv_topk_idx, recv_topk_weights, core_handle, num_worst_tokens, streams.empty
+            )
+        event = self._finish(streams, async_finish, core_event)
+        v1_handle = DispatchHandle(
+            core_handle,
+            num_recv_tokens=rows,
+            num_worst_tokens=num_worst_tokens,
+            rank=self.rank,
+            is_token_in_rank=is_token_in_rank,
+        )
+        per_expert = list(core_handle.num_recv_tokens_per_expert_list)
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert, v1_handle, event
+
+    def _cached_dispatch(
+        self,
+        core: ElasticBuffer,
+        x: Any,
+        handle: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        config: Any,
+        previous_event: Any,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+    ) -> tuple[Any, None, None, None, None, EventOverlap]:
+        core_handle = handle.core if isinstance(handle, DispatchHandle) else handle
+        try:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(
+                    "topk_idx and topk_weights must be None with handle= (V1's cached dispatch reuses the routing)"
+                )
+            self._check_stream_options(previous_event)
+            num_sms = self._resolve_num_sms(config)
+            x = self._row_major_scales(x, previous_event)
+        except Exception as error:
+            core._dispatch_without_input(core_handle, None, error)
+            raise
+        recv_x, _, _, _, event = core.dispatch(
+            x,
+            handle=core_handle,
+            num_sms=num_sms,
+            previous_event=previous_event,
+            async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        return recv_x, None, None, None, None, event
+
+    @staticmethod
+    def _finish(streams: _Streams, async_finish: bool, core_event: EventOverlap) -> EventOverlap:
+        """The event of a call whose extra work ran after the core's (on ``streams.work``)."""
+        streams.hand_over()
+        if not async_finish:
+            return core_event  # the caller's stream already waited for the core; our work ran on it
+        event = torch.cuda.Event()
+        event.record(streams.comm)
+        keep = tuple(core_event.extra_tensors or ()) + tuple(streams.allocated)
+        return EventOverlap(event, extra_tensors=keep)
+
+    # ------------------------------------------------------------------ combine
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+        config: Any = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """V1's HT combine: ``(combined_x bf16 [T, H], combined_topk_weights fp32 [T, K] or None, event)``.
+
+        ``x`` bf16 ``[handle.num_recv_tokens, H]`` (one row per dispatched row; padding rows of a
+        ``num_worst_tokens`` dispatch are not read). Each token's rows are summed without weights,
+        plus ``bias`` (a tensor or a pair); ``combined_topk_weights[t, k]`` is slot k's weight as the
+        rank owning that expert sent it (0 for -1): V1's sum over ranks when the other ranks' slots
+        hold 0, as dispatch returns them.
+        """
+        core = self._usable_core()
+        core_handle = handle.core if isinstance(handle, DispatchHandle) else handle
+        try:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+            self._check_stream_options(previous_event)
+            num_sms = self._resolve_num_sms(config)
+        except Exception as error:
+            core._combine_without_input(x, core_handle, error)
+            raise
+        return core.combine(
+            x,
+            core_handle,
+            topk_weights=topk_weights,
+            bias=bias,
+            num_sms=num_sms,
+            previous_event=previous_event,
+            async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+
+    # ------------------------------------------------------------------ extras
+
+    def gather_rank_prefix_matrix(self, handle: DispatchHandle) -> torch.Tensor:
+        """V1's ``rank_prefix_matrix`` of ``handle``'s dispatch: int32 ``[R, R]``, entry ``[i, j]`` the
+        tokens ranks ``0..i`` sent to rank ``j``. **Collective**: one all-gather of each rank's send
+        counts over ``group`` (every rank must call it for the same dispatch, in the same order)."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+        core = handle.core  # what the core really routed (sanitised), not the layout passed in
+        sent = dispatch_layout(core.topk_idx, core.num_experts, core.num_ranks)[0]
+        on_host = dist.get_backend(self.group) == "gloo"
+        local = sent.cpu() if on_host else sent
+        rows = [torch.empty_like(local) for _ in range(self.group_size)]
+        dist.all_gather(rows, local, group=self.group)
+        return torch.stack(rows).to(sent.device).cumsum(dim=0, dtype=torch.int32)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream the kernels run on (shared by the buffers of this process and device)."""
+        return self._usable_core().get_comm_stream()
+
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | Sequence[int] | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """A view of this rank's window: the "NVL buffer" is the first ``num_nvl_bytes`` of the HT
+        region, the "RDMA buffer" the ``num_rdma_bytes`` after it (the two budgets are pooled into that
+        region). ``offset`` in bytes; without ``size`` the view runs to the end of the chosen part,
+        with ``size`` it is the first ``prod(size)`` elements viewed as ``size``. The bytes are the HT
+        receive slots: every dispatch and combine overwrites them."""
+        core = self._usable_core()
+        part_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        part_offset = self.num_nvl_bytes if use_rdma_buffer else 0
+        element = torch.empty((), dtype=dtype).element_size()
+        _non_negative_int("offset", offset)
+        if offset > part_bytes:
+            which = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+            raise ValueError(f"offset={offset} is past the end of the buffer ({which}={part_bytes})")
+        num_elements = (part_bytes - offset) // element
+        if size is not None:
+            wanted = 1
+            for extent in size:
+                wanted *= int(extent)
+            if wanted > num_elements:
+                raise ValueError(
+                    f"size {list(size)} needs {wanted} elements of {dtype}, the buffer holds {num_elements} from "
+                    f"offset {offset}"
+                )
+            num_elements = wanted
+        start = core._window["ht_offset"] + part_offset + offset
+        flat = window_tensor(core._runtime, core.local_window_base(), start, (num_elements,), dtype, core._torch_device)
+        return flat.view(tuple(size)) if size is not None else flat
+
+    def destroy(self) -> None:
+        """Free the window (collective: every rank calls it). V1's rule: only for buffers built with
+        ``explicitly_destroy=True``."""
+        if not self.explicitly_destroy:
+            raise RuntimeError(
+                "destroy() is for buffers built with explicitly_destroy=True (V1's rule); this one frees its "
+                "window when it is garbage-collected"
+            )
+        core, self._core = self._core, None
+        if core is not None:
+            core.destroy()
+
+    # ------------------------------------------------------------------ low latency (not served)
+
+    def _low_latency(self, name: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"Buffer.{name} is not implemented: the V1 low-latency calls need the compact receive rows of "
+            f"{LOW_LATENCY_ISSUE} (V1's masked grouped GEMMs read rows [0, recv_count) of each expert); "
+            "deep_ep.ElasticBuffer.low_latency_dispatch / low_latency_combine use their own layout (docs/api.md)"
+        )
+
+    def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("low_latency_dispatch")
+
+    def low_latency_combine(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("low_latency_combine")
+
+    def get_next_low_latency_combine_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("get_next_low_latency_combine_buffer")
+
+    def clean_low_latency_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("clean_low_latency_buffer")
+
+    def low_latency_update_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._low_latency("low_latency_clean_mask_buffer")

@@ -1,0 +1,634 @@
+"""The DeepEP-V1 façade ``deep_ep.v1_buffer``: everything that runs without a GPU (sizing rule,
+refused options, layout, V1 output meanings, handle indexing)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deep_ep import _C
+from deep_ep.errors import BufferTooSmallError
+from deep_ep.event import EventOverlap
+from deep_ep.handle import EPHandle
+from deep_ep.v1_buffer import (
+    LOW_LATENCY_ISSUE,
+    Buffer,
+    DispatchHandle,
+    _config_module,
+    bytes_for_tokens,
+    check_unbacked_options,
+    dispatch_layout,
+    fit_rows,
+    mask_rows_past,
+    sass_architectures,
+    token_capacity,
+    v1_dispatch_outputs,
+    window_num_bytes,
+    zero_foreign_weights,
+)
+
+MIB = 1 << 20
+
+# --------------------------------------------------------------------------------------- sizing
+
+
+def test_window_pools_both_budgets_rounded_up_to_2_mib_plus_the_workspace():
+    workspace = _C.WORKSPACE_BYTES
+    assert workspace == 2 * MIB
+    assert window_num_bytes(0, 0) == workspace  # nothing but the workspace: every dispatch is too small
+    assert window_num_bytes(1, 0) == 2 * MIB + workspace
+    assert window_num_bytes(2 * MIB, 0) == 2 * MIB + workspace
+    assert window_num_bytes(3 * MIB, MIB) == window_num_bytes(4 * MIB, 0) == 4 * MIB + workspace
+    # DeepEP's tests and vLLM pass ~1 GB of NVL bytes: 477 x 2 MiB of HT region.
+    assert window_num_bytes(int(1e9), 0) == 477 * 2 * MIB + workspace == 1_002_438_656
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="num_nvl_bytes must be a non-negative int"):
+            window_num_bytes(bad, 0)
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        window_num_bytes(0, -2)
+
+
+def test_capacity_worked_examples():
+    region = window_num_bytes(int(1e9), 0) - _C.WORKSPACE_BYTES  # 1_000_341_504 bytes of HT region
+    assert region == 1_000_341_504
+    # 8 ranks, H=7168, K=8, bf16: one token slot is 14464 bytes at each of 8 ranks (dispatch is the
+    # larger footprint) -> floor(1_000_341_504 / (8 * 14464)) = 8645 tokens per rank.
+    assert token_capacity(8, 8, region, 7168, 8, False) == 8645
+    assert bytes_for_tokens(8, 8, 8645, 7168, 8, False) == 8 * 8645 * 14464
+    # fp8 dispatch slots are smaller, so the bf16 combine (14368 bytes a slot) bounds it.
+    assert token_capacity(8, 8, region, 7168, 8, True) == region // (8 * 14368) == 8702
+    # Two virtual nodes of four (hybrid): the scale-out staging lives in the same region.
+    assert token_capacity(8, 4, region, 7168, 8, False) == 5801
+    # A 2 MiB region holds 18 such tokens per rank; an empty one none.
+    assert token_capacity(8, 8, 2 * MIB, 7168, 8, False) == 18
+    assert token_capacity(8, 8, 0, 7168, 8, False) == 0
+
+
+@pytest.mark.parametrize(
+    "num_ranks, scaleup, hidden, num_topk, use_fp8",
+    [(8, 8, 7168, 8, False), (8, 8, 7168, 8, True), (2, 2, 4096, 6, True), (8, 4, 7168, 8, False), (1, 1, 8, 1, False)],
+)
+@pytest.mark.parametrize("region", [2 * MIB, 64 * MIB, 1_000_341_504])
+def test_capacity_is_the_largest_token_count_whose_footprint_fits(
+    num_ranks, scaleup, hidden, num_topk, use_fp8, region
+):
+    capacity = token_capacity(num_ranks, scaleup, region, hidden, num_topk, use_fp8)
+    assert capacity >= 1
+    assert bytes_for_tokens(num_ranks, scaleup, capacity, hidden, num_topk, use_fp8) <= region
+    assert bytes_for_tokens(num_ranks, scaleup, capacity + 1, hidden, num_topk, use_fp8) > region
+    layout = _C.high_throughput_layout(num_ranks, scaleup, capacity, hidden, num_topk, use_fp8)
+    assert max(layout["dispatch_bytes"], layout["combine_bytes"]) <= region
+
+
+def test_capacity_matches_the_closed_form_in_direct_mode():
+    # Direct mode: footprints are R * T_max * slot bytes, so the capacity is a division.
+    for num_ranks, hidden, num_topk, use_fp8 in ((2, 2048, 8, False), (4, 4096, 6, True), (8, 7168, 1, False)):
+        layout = _C.high_throughput_layout(num_ranks, num_ranks, 1, hidden, num_topk, use_fp8)
+        slot = max(layout["dispatch_token_bytes"], layout["combine_token_bytes"])
+        region = 300 * MIB
+        assert token_capacity(num_ranks, num_ranks, region, hidden, num_topk, use_fp8) == region // (num_ranks * slot)
+
+
+def _bare_buffer(num_ranks: int = 8, scaleup: int = 8, region: int = 2 * MIB, max_num_sms: int = 132) -> Buffer:
+    """A Buffer with a stand-in core (sizes and SM cap only): no GPU, no group."""
+    buffer = object.__new__(Buffer)
+    buffer.group_size = num_ranks
+    buffer.rank = 0
+    buffer.num_nvl_bytes = region
+    buffer.num_rdma_bytes = 0
+    buffer._core = SimpleNamespace(
+        num_scaleup_ranks=scaleup,
+        num_scaleout_ranks=num_ranks // scaleup,
+        _window={"ht_bytes": region, "ht_offset": _C.WORKSPACE_BYTES},
+        _max_num_sms=max_num_sms,
+    )
+    return buffer
+
+
+def test_too_small_names_the_bytes_needed():
+    buffer = _bare_buffer(region=2 * MIB)
+    assert buffer.token_capacity(7168, 8, False) == 18
+    error = buffer._too_small(100, 7168, 8, False)
+    assert isinstance(error, BufferTooSmallError) and isinstance(error, ValueError)
+    needed = bytes_for_tokens(8, 8, 100, 7168, 8, False)
+    assert error.needed_bytes == needed and error.available_bytes == 2 * MIB
+    assert f"num_nvl_bytes + num_rdma_bytes >= {needed}" in str(error)
+    assert "at most 18 tokens per rank" in str(error)
+
+
+# ------------------------------------------------------------------------------ refused options
+
+
+@pytest.mark.parametrize(
+    "option, value, words",
+    [
+        ("low_latency_mode", True, LOW_LATENCY_ISSUE),
+        ("allow_mnnvl", True, "allow_mnnvl=True"),
+        ("use_fabric", True, "use_fabric=True"),
+        ("enable_shrink", True, "enable_shrink=True"),
+        ("comm", object(), "comm=object"),
+    ],
+)
+def test_each_unbacked_option_raises_not_implemented_naming_it(option, value, words):
+    with pytest.raises(NotImplementedError, match=f"Buffer\\({option}=") as info:
+        check_unbacked_options(**{option: value})
+    assert words in str(info.value)
+    # The constructor refuses before it touches the group or CUDA (group=None would fail there).
+    with pytest.raises(NotImplementedError, match=option):
+        Buffer(None, **{option: value})
+
+
+def test_accepted_options_and_bad_sizes():
+    check_unbacked_options()  # every default is backed
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        Buffer(None, -1)
+    with pytest.raises(ValueError, match="num_qps_per_rank"):
+        Buffer(None, 0, 0, False, -3)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "low_latency_dispatch",
+        "low_latency_combine",
+        "get_next_low_latency_combine_buffer",
+        "clean_low_latency_buffer",
+        "low_latency_update_mask_buffer",
+        "low_latency_query_mask_buffer",
+        "low_latency_clean_mask_buffer",
+    ],
+)
+def test_low_latency_calls_exist_and_fail_loudly(name):
+    buffer = _bare_buffer()
+    with pytest.raises(NotImplementedError, match=f"Buffer.{name} is not implemented") as info:
+        getattr(buffer, name)(torch.zeros(1), topk_idx=None)
+    assert LOW_LATENCY_ISSUE in str(info.value)
+
+
+def test_previous_event_is_checked_but_needs_no_allocate_on_comm_stream():
+    Buffer._check_stream_options(None)
+    Buffer._check_stream_options(EventOverlap(event="recorded"))  # any non-None event passes the type check
+    with pytest.raises(ValueError, match="holds no event"):
+        Buffer._check_stream_options(EventOverlap(None))
+    with pytest.raises(TypeError, match="previous_event must be an EventOverlap"):
+        Buffer._check_stream_options("event")
+
+
+def test_num_sms_comes_from_config_or_the_class_and_is_capped(monkeypatch):
+    monkeypatch.setattr(Buffer, "num_sms", 20)
+    buffer = _bare_buffer(max_num_sms=16)
+    assert buffer._resolve_num_sms(None) == 16  # V1's default 20, capped at this rank's share
+    assert buffer._resolve_num_sms(SimpleNamespace(num_sms=8)) == 8
+    Buffer.set_num_sms(12)
+    assert Buffer.num_sms == 12 and buffer._resolve_num_sms(None) == 12
+    with pytest.raises(ValueError, match="even"):
+        Buffer.set_num_sms(13)
+    with pytest.raises(TypeError, match="V1 Config with an int num_sms"):
+        buffer._resolve_num_sms(object())
+
+
+def test_layout_arguments_are_checked_for_shape():
+    buffer = _bare_buffer(num_ranks=4, scaleup=4)
+    buffer._check_layout_arguments(5, 8, torch.zeros(4, dtype=torch.int32), None, torch.zeros(5, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"num_tokens_per_rank must be a tensor of shape \[4\]"):
+        buffer._check_layout_arguments(5, 8, torch.zeros(3, dtype=torch.int32), None, None)
+    with pytest.raises(ValueError, match=r"is_token_in_rank must be a tensor of shape \[5, 4\]"):
+        buffer._check_layout_arguments(5, 8, None, None, torch.zeros(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is_token_in_rank must be bool"):
+        buffer._check_layout_arguments(5, 8, None, None, torch.zeros(5, 4, dtype=torch.int32))
+    hybrid = _bare_buffer(num_ranks=4, scaleup=2)
+    with pytest.raises(ValueError, match=r"num_tokens_per_rdma_rank must be a tensor of shape \[2\]"):
+        hybrid._check_layout_arguments(5, 8, None, torch.zeros(4, dtype=torch.int32), None)
+
+
+def test_config_helpers_delegate_to_deep_ep_config():
+    if _config_module() is None:
+        with pytest.raises(NotImplementedError, match="deep_ep.config.get_dispatch_config"):
+            Buffer.get_dispatch_config(8)
+        with pytest.raises(NotImplementedError, match="deep_ep.config.get_combine_config"):
+            Buffer.get_combine_config(8)
+    else:
+        assert Buffer.get_dispatch_config(8) is not None
+
+
+def test_sm90_build_info_comes_from_the_extension_fatbin():
+    archs = sass_architectures(_C.__file__)
+    assert archs, "the extension should carry SASS for at least one architecture"
+    assert Buffer.is_sm90_compiled() == (90 in archs)
+    assert sass_architectures("/nonexistent/_C.so") == frozenset()
+    assert sass_architectures(__file__) == frozenset()  # not ELF
+
+
+# ------------------------------------------------------------------------------------- layout
+
+
+def _layout_by_loops(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, per_node: int):
+    num_local = num_experts // num_ranks
+    per_rank = [0] * num_ranks
+    per_node_counts = [0] * (num_ranks // per_node)
+    per_expert = [0] * num_experts
+    in_rank = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
+    for t, row in enumerate(topk_idx.tolist()):
+        experts = []
+        for e in row:
+            if 0 <= e < num_experts and e not in experts:
+                experts.append(e)
+        for e in experts:
+            per_expert[e] += 1
+        ranks = sorted({e // num_local for e in experts})
+        for r in ranks:
+            per_rank[r] += 1
+            in_rank[t, r] = True
+        for n in sorted({r // per_node for r in ranks}):
+            per_node_counts[n] += 1
+    return per_rank, per_node_counts, per_expert, in_rank
+
+
+def test_dispatch_layout_worked_example():
+    # 4 ranks, 8 experts (2 per rank). Token 1 repeats expert 3 and has a -1; token 2 has nothing;
+    # token 3 carries an out-of-range id (ignored, as the core treats it as -1).
+    topk_idx = torch.tensor([[0, 1, 6], [3, -1, 3], [-1, -1, -1], [7, 9, 2]])
+    per_rank, per_rdma, per_expert, in_rank = dispatch_layout(topk_idx, 8, 4)
+    assert per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
+    assert per_rank.tolist() == [1, 2, 0, 2]  # token 0 counts once on rank 0 (experts 0 and 1)
+    assert per_expert.tolist() == [1, 1, 1, 1, 0, 0, 1, 1]  # expert 3 once for token 1
+    assert in_rank.tolist() == [
+        [True, False, False, True],
+        [False, True, False, False],
+        [False, False, False, False],
+        [False, True, False, True],
+    ]
+    assert per_rdma is None  # one node
+    _, per_node, _, _ = dispatch_layout(topk_idx, 8, 4, num_ranks_per_node=2)
+    assert per_node.tolist() == [3, 2]  # tokens 0 and 3 on both nodes, token 1 on node 0 only
+
+
+@pytest.mark.parametrize("num_ranks, per_node", [(1, 1), (2, 2), (4, 2), (8, 4), (8, 1)])
+def test_dispatch_layout_matches_loops_on_random_routing(num_ranks, per_node):
+    generator = torch.Generator().manual_seed(num_ranks * 10 + per_node)
+    num_experts = 4 * num_ranks
+    topk_idx = torch.randint(-1, num_experts, (300, 6), generator=generator)
+    per_rank, per_rdma, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks, per_node)
+    want_rank, want_node, want_expert, want_in_rank = _layout_by_loops(topk_idx, num_experts, num_ranks, per_node)
+    assert per_rank.tolist() == want_rank
+    assert per_expert.tolist() == want_expert
+    assert torch.equal(in_rank, want_in_rank)
+    if per_node == num_ranks:
+        assert per_rdma is None
+    else:
+        assert per_rdma.tolist() == want_node
+    # int32 routing gives the same layout; zero tokens give zero counts.
+    assert torch.equal(dispatch_layout(topk_idx.int(), num_experts, num_ranks, per_node)[3], in_rank)
+    empty = dispatch_layout(topk_idx[:0], num_experts, num_ranks, per_node)
+    assert empty[0].tolist() == [0] * num_ranks and empty[3].shape == (0, num_ranks)
+
+
+def test_dispatch_layout_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        dispatch_layout(torch.zeros(2, 2, dtype=torch.int64), 6, 4)
+    with pytest.raises(ValueError, match=r"\[T, K\]"):
+        dispatch_layout(torch.zeros(2, dtype=torch.int64), 8, 4)
+    with pytest.raises(ValueError, match="int64"):
+        dispatch_layout(torch.zeros(2, 2), 8, 4)
+    with pytest.raises(ValueError, match="num_ranks_per_node must divide"):
+        dispatch_layout(torch.zeros(2, 2, dtype=torch.int64), 8, 4, num_ranks_per_node=3)
+
+
+# ----------------------------------------------------------------------------- output helpers
+
+
+def test_weights_of_foreign_slots_are_zeroed():
+    idx = torch.tensor([[0, -1, 1], [-1, -1, 2]])
+    weights = torch.tensor([[0.5, 0.25, 0.125], [1.0, 2.0, 3.0]])
+    assert zero_foreign_weights(idx, weights) is weights
+    assert weights.tolist() == [[0.5, 0.0, 0.125], [0.0, 0.0, 3.0]]
+
+
+def test_rows_past_the_received_count_become_minus_one():
+    idx = torch.arange(12).view(4, 3)
+    mask_rows_past(idx, torch.tensor([2], dtype=torch.int32))
+    assert idx.tolist() == [[0, 1, 2], [3, 4, 5], [-1, -1, -1], [-1, -1, -1]]
+
+
+def test_fit_rows_narrows_or_pads():
+    rows = torch.arange(6, dtype=torch.float32).view(3, 2)
+    narrowed = fit_rows(rows, 2, 0.0)
+    assert narrowed.data_ptr() == rows.data_ptr() and narrowed.shape == (2, 2)  # a view, no copy
+    padded = fit_rows(rows, 5, -1.0)
+    assert padded.tolist() == [[0, 1], [2, 3], [4, 5], [-1, -1], [-1, -1]]
+    assert fit_rows(None, 4, 0.0) is None
+    allocated = []
+
+    def empty(shape, dtype, device):
+        allocated.append(shape)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    fit_rows(rows, 4, 0.0, empty)
+    assert allocated == [(4, 2)]
+
+
+def _core_handle(num_rows: int, num_received: int, *, num_ranks: int = 2, num_nodes: int = 1) -> EPHandle:
+    """A stand-in for what the core's dispatch returns (CPU tensors), ``num_received`` rows received."""
+    counts = torch.zeros(64, dtype=torch.int32)
+    psum = counts[0:num_ranks]
+    psum.copy_(torch.linspace(num_received // num_ranks, num_received, num_ranks).round().int())
+    psum[-1] = num_received
+    metadata = torch.zeros(num_rows, 3, dtype=torch.int32)
+    metadata[:, 0] = torch.arange(num_rows) % num_ranks
+    metadata[:, 1] = torch.arange(num_rows) + 100
+    topk_idx = torch.tensor([[0, 3], [1, -1], [-1, -1]])
+    return EPHandle(
+        do_expand=False,
+        num_experts=4,
+        expert_alignment=1,
+        num_max_tokens_per_rank=8,
+        num_sms=4,
+        topk_idx=topk_idx,
+        num_recv_tokens=num_rows,
+        num_expanded_tokens=num_rows,
+        num_recv_tokens_per_expert_list=[3, 1],
+        psum_num_recv_tokens_per_scaleup_rank=psum,
+        psum_num_recv_tokens_per_expert=counts[8:10],
+        num_unaligned_recv_tokens_per_expert=counts[10:12],
+        recv_src_metadata=metadata,
+        dst_buffer_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
+        num_ranks=num_ranks,
+        num_tokens=3,
+        num_topk=2,
+        is_exact=True,
+        expert_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
+        num_recv_tokens_per_scaleup_rank=counts[12 : 12 + num_ranks],
+        expert_offsets_per_source=counts[20 : 20 + 2 * num_ranks].view(num_ranks, 2),
+        expert_start=counts[40:42],
+        recv_expanded_row_idx=None,
+        counts=counts,
+        num_nodes=num_nodes,
+    )
+
+
+def _outputs(num_rows: int, hidden: int = 128, num_topk: int = 2):
+    generator = torch.Generator().manual_seed(num_rows)
+    data = torch.randn(num_rows, hidden, generator=generator).to(torch.float8_e4m3fn)
+    scales = torch.rand(num_rows, hidden // 128, generator=generator)
+    idx = torch.randint(-1, 2, (num_rows, num_topk), generator=generator)
+    weights = torch.rand(num_rows, num_topk, generator=generator) + 0.5
+    return (data, scales), idx, weights
+
+
+def test_exact_dispatch_outputs_only_zero_the_foreign_weights():
+    handle = _core_handle(num_rows=5, num_received=5)
+    recv_x, idx, weights = _outputs(5)
+    before = weights.clone()
+    out_x, out_idx, out_weights, out_handle = v1_dispatch_outputs(recv_x, idx.clone(), weights, handle, 0)
+    assert out_handle is handle and out_x is recv_x
+    assert torch.equal(out_idx, idx)
+    assert torch.equal(out_weights, torch.where(idx < 0, torch.zeros_like(before), before))
+
+
+@pytest.mark.parametrize("num_worst", [4, 6, 9])
+def test_worst_token_outputs_have_exactly_num_worst_rows(num_worst):
+    # The core allocated 6 rows (R * T_max) and received 3 (the rest is garbage).
+    handle = _core_handle(num_rows=6, num_received=3)
+    (data, scales), idx, weights = _outputs(6)
+    idx[:3] = torch.tensor([[0, -1], [1, 0], [-1, 1]])
+    out_x, out_idx, out_weights, out_handle = v1_dispatch_outputs(
+        (data, scales), idx.clone(), weights.clone(), handle, num_worst
+    )
+    out_data, out_scales = out_x
+    assert out_data.shape == (num_worst, 128) and out_scales.shape == (num_worst, 1)
+    assert out_idx.shape == (num_worst, 2) and out_weights.shape == (num_worst, 2)
+    assert torch.equal(out_data[:3].view(torch.uint8), data[:3].view(torch.uint8))
+    assert torch.equal(out_scales[:3], scales[:3])
+    assert out_idx[:3].tolist() == [[0, -1], [1, 0], [-1, 1]]
+    assert (out_idx[3:] == -1).all() and (out_weights[3:] == 0).all()  # V1's padding rows
+    assert out_weights[0, 1] == 0 and out_weights[2, 0] == 0 and out_weights[1].tolist() == weights[1].tolist()
+    # The handle now describes num_worst rows (combine's x, cached dispatch); the core's is untouched.
+    assert out_handle is not handle and handle.num_recv_tokens == 6
+    assert out_handle.num_recv_tokens == num_worst
+    assert out_handle.recv_src_metadata.shape == (min(num_worst, 6), 3)
+    assert out_handle.counts is handle.counts and out_handle.topk_idx is handle.topk_idx
+
+
+# ------------------------------------------------------------------------------------- handle
+
+
+def test_intranode_handle_indexes_like_v1_where_it_can():
+    core = _core_handle(num_rows=5, num_received=5, num_ranks=2)
+    in_rank = torch.tensor([[True, False], [False, True], [False, False]])
+    handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=0, rank=1, is_token_in_rank=in_rank)
+    assert len(handle) == 6 and not handle.internode
+    assert handle[4] is in_rank and handle[-2] is in_rank
+    assert handle[3].tolist() == [100, 101, 102, 103, 104] and handle[3].dtype == torch.int32
+    assert handle[3].is_contiguous()
+    assert torch.equal(handle.recv_rank_prefix_sum, core.psum_num_recv_tokens_per_scaleup_rank)
+    assert handle.num_recv_tokens_device.tolist() == [5]
+    with pytest.raises(IndexError, match="rank_prefix_matrix") as info:
+        handle[0]
+    message = str(info.value)
+    assert "column 1" in message and "recv_rank_prefix_sum" in message and "gather_rank_prefix_matrix" in message
+    for index, name in (
+        (1, "channel_prefix_matrix"),
+        (2, "recv_channel_prefix_matrix"),
+        (5, "send_head"),
+        (-1, "send_head"),
+    ):
+        with pytest.raises(IndexError, match=rf"'{name}'\) is not available"):
+            handle[index]
+    with pytest.raises(IndexError, match="out of range"):
+        handle[6]
+    with pytest.raises(TypeError, match="integers or slices"):
+        handle["rank_prefix_matrix"]
+    assert handle[3:5][1] is in_rank
+    with pytest.raises(TypeError, match="cannot be iterated or unpacked"):
+        list(handle)
+    with pytest.raises(TypeError, match="cannot be iterated or unpacked"):
+        _a, _b, _c, _d, _e, _f = handle
+
+
+def test_is_token_in_rank_is_computed_from_the_routing_when_not_passed():
+    core = _core_handle(num_rows=5, num_received=5, num_ranks=2)  # 4 experts, 2 per rank
+    handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=0, rank=0)
+    assert handle[4].tolist() == [[True, True], [True, False], [False, False]]
+
+
+def test_internode_handle_gives_the_global_rank_prefix_sum():
+    core = _core_handle(num_rows=4, num_received=4, num_ranks=4, num_nodes=2)
+    handle = DispatchHandle(core, num_recv_tokens=4, num_worst_tokens=0, rank=2)
+    assert len(handle) == 10 and handle.internode
+    assert handle[0].shape == (3, 4)  # is_token_in_rank
+    assert handle[6] is core.psum_num_recv_tokens_per_scaleup_rank and handle[-4] is handle[6]
+    for index in (1, 2, 3, 4, 5, 7, 8, 9):
+        with pytest.raises(IndexError, match="is not available"):
+            handle[index]
+
+
+def test_recv_src_idx_covers_padded_worst_rows():
+    core = _core_handle(num_rows=3, num_received=2)
+    handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=5, rank=0)
+    assert handle[3].tolist() == [100, 101, 102, -1, -1]
+
+
+# ---------------------------------------------------------------- refusals keep the ranks in step
+
+
+class _RecordingCore(SimpleNamespace):
+    """Records how the façade uses the core; its dispatch refuses T > T_max like the real one."""
+
+    def __init__(self, region: int = 2 * MIB) -> None:
+        super().__init__(
+            num_scaleup_ranks=2,
+            num_scaleout_ranks=1,
+            _window={"ht_bytes": region, "ht_offset": _C.WORKSPACE_BYTES},
+            _max_num_sms=32,
+            calls=[],
+        )
+
+    def _ensure_usable(self) -> None:
+        pass
+
+    def _check_fatal_errors(self) -> None:
+        pass
+
+    def _dispatch_without_input(self, handle, num_experts, error) -> None:
+        self.calls.append(("dispatch without input", handle, num_experts, type(error).__name__))
+
+    def _combine_without_input(self, x, handle, error) -> None:
+        self.calls.append(("combine without input", handle, type(error).__name__))
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, **kwargs):
+        self.calls.append(("dispatch", kwargs.get("num_max_tokens_per_rank")))
+        data = x[0] if isinstance(x, tuple) else x
+        if data.shape[0] > kwargs["num_max_tokens_per_rank"]:
+            raise ValueError("x has more than num_max_tokens_per_rank tokens")
+        raise AssertionError("not reached in these tests")
+
+    def destroy(self) -> None:
+        self.calls.append(("destroy",))
+
+
+def _recording_buffer(explicitly_destroy: bool = True) -> Buffer:
+    buffer = _bare_buffer(num_ranks=2, scaleup=2)
+    buffer._core = _RecordingCore()
+    buffer.explicitly_destroy = explicitly_destroy
+    return buffer
+
+
+def _layout(num_tokens: int = 4, num_experts: int = 8):
+    topk_idx = torch.tensor([[0, 5], [1, -1], [6, 7], [-1, -1]])[:num_tokens]
+    per_rank, _, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, 2)
+    return topk_idx, {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert, "is_token_in_rank": in_rank}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"drop": "topk_idx"}, NotImplementedError, "dispatch without topk_idx"),
+        ({"drop": "num_tokens_per_expert"}, ValueError, "num_tokens_per_expert must be given"),
+        ({"previous_event": EventOverlap(None)}, ValueError, "holds no event"),
+        ({"num_worst_tokens": -1}, ValueError, "num_worst_tokens must be an int >= 0"),
+        ({"config": object()}, TypeError, "V1 Config"),
+        ({"is_token_in_rank": torch.zeros(3, 2, dtype=torch.bool)}, ValueError, "is_token_in_rank must be a tensor"),
+    ],
+)
+def test_refused_dispatch_takes_part_without_data_then_raises(kwargs, error, words):
+    buffer = _recording_buffer()
+    topk_idx, layout = _layout()
+    arguments = {"topk_idx": topk_idx, **layout, **kwargs}
+    dropped = arguments.pop("drop", None)
+    if dropped is not None:
+        del arguments[dropped]
+    with pytest.raises(error, match=words):
+        buffer.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), **arguments)
+    (call,) = buffer._core.calls
+    assert call[0] == "dispatch without input" and call[1] is None and call[3] == error.__name__
+    assert call[2] == (None if kwargs.get("drop") == "num_tokens_per_expert" else 8)  # E, from the layout
+
+
+def test_a_token_count_past_the_capacity_raises_buffer_too_small_after_the_core_took_part():
+    buffer = _recording_buffer()
+    capacity = buffer.token_capacity(4096, 2, False)
+    topk_idx = torch.zeros(capacity + 1, 2, dtype=torch.int64)
+    topk_idx[:, 1] = 4
+    per_rank, _, per_expert, in_rank = dispatch_layout(topk_idx, 8, 2)
+    with pytest.raises(BufferTooSmallError, match="num_nvl_bytes \\+ num_rdma_bytes >=") as info:
+        buffer.dispatch(
+            torch.zeros(capacity + 1, 4096, dtype=torch.bfloat16),
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+        )
+    assert info.value.needed_bytes == bytes_for_tokens(2, 2, capacity + 1, 4096, 2, False)
+    assert isinstance(info.value.__cause__, ValueError)  # the core's own refusal (it took part without data)
+    assert buffer._core.calls == [("dispatch", capacity)]  # every rank passes the same T_max: the capacity
+
+
+def test_refused_cached_dispatch_and_combine_take_part_with_the_core_handle():
+    buffer = _recording_buffer()
+    core_handle = _core_handle(num_rows=3, num_received=3)
+    handle = DispatchHandle(core_handle, num_recv_tokens=3, num_worst_tokens=0, rank=0)
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be None with handle="):
+        buffer.dispatch(x, handle=handle, topk_idx=torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="DispatchHandle returned by dispatch"):
+        buffer.dispatch(x, handle=core_handle)
+    with pytest.raises(ValueError, match="holds no event"):
+        buffer.combine(x, handle, previous_event=EventOverlap(None))
+    with pytest.raises(TypeError, match="DispatchHandle returned by dispatch"):
+        buffer.combine(x, (1, 2, 3))
+    calls = buffer._core.calls
+    assert [call[0] for call in calls] == ["dispatch without input"] * 2 + ["combine without input"] * 2
+    assert calls[0][1] is core_handle and calls[1][1] is core_handle and calls[2][1] is core_handle
+
+
+def test_destroy_follows_the_explicitly_destroy_rule():
+    implicit = _recording_buffer(explicitly_destroy=False)
+    with pytest.raises(RuntimeError, match="explicitly_destroy=True"):
+        implicit.destroy()
+    buffer = _recording_buffer(explicitly_destroy=True)
+    core = buffer._core
+    buffer.destroy()
+    buffer.destroy()  # once only
+    assert core.calls == [("destroy",)]
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buffer.get_comm_stream()
+
+
+def test_gather_rank_prefix_matrix_over_a_one_rank_gloo_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        buffer = _bare_buffer(num_ranks=1, scaleup=1)
+        buffer.group = dist.group.WORLD
+        core = _core_handle(num_rows=2, num_received=2, num_ranks=1)  # routing: tokens 0 and 1 have an expert
+        handle = DispatchHandle(core, num_recv_tokens=2, num_worst_tokens=0, rank=0)
+        matrix = buffer.gather_rank_prefix_matrix(handle)
+        assert matrix.dtype == torch.int32 and matrix.tolist() == [[2]]
+        with pytest.raises(TypeError, match="DispatchHandle"):
+            buffer.gather_rank_prefix_matrix(core)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_v1_size_hints_leave_room_for_the_tokens_they_size_for(monkeypatch):
+    """A client sizing with deep_ep.config's hints (V1's recipe) gets at least the token count the
+    hints were computed for (their documented mapping: num_sms / 2 x the NVL receive chunk)."""
+    config = pytest.importorskip("deep_ep.config")
+    monkeypatch.delenv(getattr(config, "TOKENS_ENV", "EP_V1_NUM_MAX_TOKENS_PER_RANK"), raising=False)
+    monkeypatch.setattr(Buffer, "num_sms", 20)
+    for num_ranks in (2, 4, 8, 16):
+        configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+        assert all(item.num_sms == 20 for item in configs)
+        hidden = 7168
+        nvl = max(item.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for item in configs)
+        rdma = max(item.get_rdma_buffer_size_hint(hidden * 2, num_ranks) for item in configs)
+        region = window_num_bytes(nvl, rdma) - _C.WORKSPACE_BYTES
+        sized_for = (configs[0].num_sms // 2) * configs[0].num_max_nvl_chunked_recv_tokens
+        scaleup = min(num_ranks, 8)  # above 8 ranks V1 clients run 8-rank nodes
+        for num_topk, use_fp8 in ((8, False), (8, True), (32, False)):
+            assert token_capacity(num_ranks, scaleup, region, hidden, num_topk, use_fp8) >= sized_for
+    Buffer.set_num_sms(24)
+    assert Buffer.get_dispatch_config(8).num_sms == 24
