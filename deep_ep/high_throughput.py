@@ -578,7 +578,7 @@ class HighThroughputMixin:
         combined_weights = None
         if topk_weights is not None:
             combined_weights = launch.empty((handle.num_tokens, handle.num_topk), torch.float32, device)
-        call = self._ht_call(num_max_tokens, hidden, handle.num_topk, handle.num_experts, False)
+        call = self._ht_call(num_max_tokens, hidden, handle.num_topk, handle.num_experts, False, combine_only=True)
         _C.ht_combine(
             self._runtime,
             call,
@@ -677,7 +677,14 @@ class HighThroughputMixin:
 
         def launch(stream: int, keep: Any) -> None:
             if zero_rows:
-                call = self._ht_call(handle.num_max_tokens_per_rank, hidden, handle.num_topk, handle.num_experts, False)
+                call = self._ht_call(
+                    handle.num_max_tokens_per_rank,
+                    hidden,
+                    handle.num_topk,
+                    handle.num_experts,
+                    False,
+                    combine_only=True,
+                )
             else:
                 call = self._ht_call(max(1, self.num_max_tokens_per_rank), NULL_HIDDEN, 1, self.num_ranks, False)
             hybrid = handle.hybrid_routing if zero_rows else None
@@ -719,13 +726,25 @@ class HighThroughputMixin:
 
     # ------------------------------------------------------------------ validation
 
-    def _ht_call(self, num_max_tokens: int, hidden: int, num_topk: int, num_experts: int, use_fp8: bool) -> Any:
-        """The call description of one shape on this buffer (topology, layout), built once and cached."""
-        key = (num_max_tokens, hidden, num_topk, num_experts, use_fp8)
+    def _ht_call(
+        self,
+        num_max_tokens: int,
+        hidden: int,
+        num_topk: int,
+        num_experts: int,
+        use_fp8: bool,
+        combine_only: bool = False,
+    ) -> Any:
+        """The call description of one shape on this buffer (topology, layout), built once and cached.
+        ``combine_only``: for combine, which must fit only the combine footprint (an fp8 dispatch's
+        region may be too small for bf16 dispatch rows)."""
+        key = (num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only)
         calls = self.__dict__.setdefault("_ht_calls", {})
         call = calls.get(key)
         if call is None:
-            call = calls[key] = _C.ht_call(self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8)
+            call = calls[key] = _C.ht_call(
+                self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only
+            )
         return call
 
     def _check_handle_owner(self, handle: EPHandle) -> None:

@@ -21,14 +21,18 @@ namespace deep_ep {
 namespace {
 
 // The call description of one shape on this buffer: topology from the runtime (so the mode follows
-// from the buffer), layout resolved once; Python caches it per shape.
+// from the buffer), layout resolved once; Python caches it per shape. A combine-only call (combine
+// and its reduce touch the combine areas only) needs only the combine footprint, which does not
+// depend on the dispatch dtype: an fp8 dispatch sized to the region must not have its combine
+// refused for the bf16 dispatch rows it never uses.
 HtCall make_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk, int num_experts,
-                 bool use_fp8) {
+                 bool use_fp8, bool combine_only) {
   const DeviceView& view = runtime.device_view();
   const Topology topology{view.num_ranks, view.num_scaleup_ranks};
   HtCall call = make_ht_call(topology, runtime.window().ht_offset, num_max_tokens_per_rank, hidden, num_topk,
                              num_experts, use_fp8);
-  const int64_t needed = std::max(call.layout.dispatch_bytes, call.layout.combine_bytes);
+  const int64_t needed =
+      combine_only ? call.layout.combine_bytes : std::max(call.layout.dispatch_bytes, call.layout.combine_bytes);
   const int64_t available = runtime.window().ht_bytes;
   if (needed > available) {
     throw std::invalid_argument("HT call (T_max=" + std::to_string(num_max_tokens_per_rank) +
@@ -69,7 +73,7 @@ void register_high_throughput(py::module_& m) {
       .def_property_readonly("combine_bytes", [](const HtCall& call) { return call.layout.combine_bytes; });
 
   m.def("ht_call", &make_call, py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
-        py::arg("num_topk"), py::arg("num_experts"), py::arg("use_fp8"));
+        py::arg("num_topk"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("combine_only"));
 
   m.def(
       "ht_counts_layout",

@@ -23,6 +23,18 @@ _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 
 OTHER_FAILURES_GRACE_SECS = 15.0
 
+# Under MPS a client that was killed (a failed test's ranks are terminated) is cleaned up by the
+# server asynchronously; until then new clients fail CUDA initialisation ("MPS server is not ready",
+# "busy or unavailable"), and that failure is sticky for the process. Such a launch is retried with
+# fresh processes: a rank that failed there never reached fn, so no work is repeated.
+DEVICE_NOT_READY_MARKERS = ("MPS server is not ready", "busy or unavailable")
+DEVICE_NOT_READY_ATTEMPTS = 6
+DEVICE_NOT_READY_DELAY_SECS = 5.0
+
+
+class _DeviceNotReady(Exception):
+    """A rank could not initialise CUDA for a transient reason (DEVICE_NOT_READY_MARKERS)."""
+
 
 def _drain_failures(results: Any, max_reports: int, seconds: float) -> list[tuple[int, str]]:
     """(rank, traceback) of the failures reported within ``seconds`` (at most ``max_reports`` reports)."""
@@ -65,7 +77,13 @@ def _worker(
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         device_id = None
         if num_gpus > 0:
-            torch.cuda.set_device(rank % num_gpus)
+            try:
+                torch.cuda.set_device(rank % num_gpus)
+            except Exception as exc:
+                if any(marker in str(exc) for marker in DEVICE_NOT_READY_MARKERS):
+                    results.put((rank, "device-not-ready", str(exc)))
+                    return
+                raise
             device_id = torch.device("cuda", rank % num_gpus)
         backend = "nccl" if 0 < num_ranks <= num_gpus else "gloo"
         kwargs: dict[str, Any] = {}
@@ -101,6 +119,22 @@ def launch(
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    for attempt in range(1, DEVICE_NOT_READY_ATTEMPTS + 1):
+        try:
+            return _launch_once(fn, num_ranks, args, timeout_secs, may_exit)
+        except _DeviceNotReady as error:
+            if attempt == DEVICE_NOT_READY_ATTEMPTS:
+                raise RuntimeError(
+                    f"CUDA was not ready in {DEVICE_NOT_READY_ATTEMPTS} launches "
+                    f"{DEVICE_NOT_READY_DELAY_SECS:g} s apart: {error}"
+                ) from None
+            time.sleep(DEVICE_NOT_READY_DELAY_SECS)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable[..., Any], num_ranks: int, args: tuple[Any, ...], timeout_secs: float, may_exit: tuple[int, ...]
+) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
     # A file store, not a TCP port: a port picked here and bound later by rank 0 can be taken in
@@ -134,6 +168,8 @@ def launch(
                 continue
             if status == "ok":
                 collected[rank] = pickle.loads(payload)
+            elif status == "device-not-ready":
+                raise _DeviceNotReady(f"rank {rank}: {payload}")
             else:
                 failure = (rank, payload[0], payload[1])
         if failure is not None:

@@ -16,6 +16,7 @@ while its peers see PeerInputError), and hybrid mode (V1's internode handle layo
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -186,8 +187,8 @@ def _check_case(buffer: Buffer, rank: int, num_ranks: int, case: V1Case, per_nod
     topk_idx = topk_idxs[rank]
     my_weights = None if weights is None else weights[rank]
     x_v1 = (xs[rank][0], _column_major(xs[rank][1])) if case.use_fp8 else xs[rank]
-    if case.use_fp8:
-        assert not x_v1[1].is_contiguous() and x_v1[1].stride() == (1, max(1, x_v1[1].shape[0]))
+    if case.use_fp8 and x_v1[1].shape[0] > 1:  # with 0 or 1 rows column-major is also contiguous
+        assert not x_v1[1].is_contiguous() and x_v1[1].stride() == (1, x_v1[1].shape[0])
 
     reference = ht_dispatch(xs, topk_idxs, weights, num_experts, expert_alignment=case.expert_alignment)
     expected = reference[rank]
@@ -350,7 +351,7 @@ def _check_attributes(buffer: Buffer, group, rank: int, num_ranks: int, num_nvl_
     assert buffer.get_local_buffer_tensor(torch.uint8).numel() == num_nvl_bytes
     assert buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel() == 0
     for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer"):
-        with pytest.raises(NotImplementedError, match=LOW_LATENCY_ISSUE):
+        with pytest.raises(NotImplementedError, match=re.escape(LOW_LATENCY_ISSUE)):
             getattr(buffer, name)()
 
 
