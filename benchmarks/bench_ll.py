@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-topk", type=int, default=TOPK)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50, help="timed runs per operation and mode")
+    parser.add_argument(
+        "--recv-layout",
+        default="compact",
+        choices=("compact", "per_source"),
+        help="dispatch receive rows: compact (copied out of the window, the default) or per_source (zero-copy view)",
+    )
     return parser.parse_args(argv)
 
 
@@ -90,6 +96,7 @@ class RoundTrip:
     def __init__(self, buffer: Any, num_tokens: int, config: dict[str, Any], rank: int) -> None:
         self.buffer = buffer
         self.cap = config["cap"]
+        self.recv_layout = config.get("recv_layout", "compact")
         hidden, num_topk, num_experts = config["hidden"], config["num_topk"], buffer.num_experts
         generator = torch.Generator().manual_seed(7919 * rank + 31 * num_tokens + num_experts)
         topk_idx = make_routing(
@@ -109,7 +116,13 @@ class RoundTrip:
 
     def dispatch(self, hook: bool = False) -> None:
         _, recv_count, self.handle, _, self.hook = self.buffer.low_latency_dispatch(
-            self.x, self.topk_idx, self.cap, self.buffer.num_experts, use_fp8=True, return_recv_hook=hook
+            self.x,
+            self.topk_idx,
+            self.cap,
+            self.buffer.num_experts,
+            use_fp8=True,
+            return_recv_hook=hook,
+            recv_layout=self.recv_layout,
         )
         self.recv_count = recv_count
 
@@ -322,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_topk": args.num_topk,
         "warmup": args.warmup,
         "iters": args.iters,
+        "recv_layout": args.recv_layout,
     }
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:

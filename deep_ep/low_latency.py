@@ -7,8 +7,12 @@ no SM waits while the data is in flight. No call synchronises with the host, so 
 be captured in a CUDA graph.
 
 The LL region is double buffered: operations alternate between parity 0 and 1 (the parity flips on
-every dispatch and combine). ``recv_x`` is a zero-copy view of this rank's receive slots and stays
-valid until the next LL operation that reuses its parity starts (the next-but-one LL call).
+every dispatch and combine). By default (``recv_layout="compact"``) the receive phase copies each
+local expert's rows out of the window into a fresh ``recv_x``, packed in ``[0, recv_count[l])`` and
+ordered by (source rank, source token): the layout masked grouped GEMMs read. With
+``recv_layout="per_source"`` ``recv_x`` is instead a zero-copy view of this rank's receive slots
+(source ``s`` at rows ``[s*T_ll, s*T_ll + n)``), valid until the next LL operation that reuses its
+parity starts (the next-but-one LL call).
 At most two operations may be outstanding (receive phase not yet launched); a third raises.
 See docs/low_latency.md for the layout and the protocol.
 """
@@ -29,6 +33,10 @@ from deep_ep.window import window_tensor
 __all__ = ["LowLatencyHandle", "LowLatencyMixin"]
 
 FP8_GROUP_SIZE = 128
+UE8M0_GROUP_WORDS = 4  # UE8M0 scales: one int32 packs the exponent bytes of 4 groups
+RECV_LAYOUTS = ("compact", "per_source")
+# deep_ep/kernels/low_latency.hpp LowLatencyScales
+_SCALES_FP32_ROW, _SCALES_FP32_COL, _SCALES_UE8M0_ROW, _SCALES_UE8M0_COL = range(4)
 MAX_OUTSTANDING = 2
 # A handle's dispatch area (headers) is reused by the second LL operation after the dispatch, so
 # the combine answering it must be at most that one.
@@ -49,6 +57,10 @@ def _require_tensor(name: str, value: Any, expected: str) -> None:
         raise TypeError(f"{name} must be a tensor ({expected}), got {type(value).__name__}")
 
 
+def _pointer(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` contiguous and 16-byte aligned (a copy on the current stream when it is not)."""
     if not tensor.is_contiguous():
@@ -63,10 +75,13 @@ class LowLatencyHandle:
     """What ``low_latency_combine`` needs from the ``low_latency_dispatch`` it answers.
 
     ``count_per_source`` int32 [L, R]: tokens received per (local expert, source rank), written by
-    the dispatch's receive phase. ``recv_src_token`` / ``recv_topk_slot`` int32 [L, R * T_ll]:
-    zero-copy views of the message headers (source token index and top-k slot of each received
-    row; rows past the counts are undefined). Like ``recv_x`` they are valid until the next-but-one
-    LL operation.
+    the dispatch's receive phase. ``recv_layout``: ``"compact"`` or ``"per_source"`` (where the
+    rows of ``recv_x`` are, and where combine reads its ``x`` rows). ``recv_src_info`` int32
+    [L, R * T_ll]: source token index of each row of ``recv_x`` (DeepEP's ``src_info``);
+    ``recv_layout_range`` int64 [L, R]: ``(first row << 32) | count`` of each source's rows in
+    ``recv_x`` (DeepEP's ``layout_range``). ``recv_src_token`` / ``recv_topk_slot`` int32
+    [L, R * T_ll]: zero-copy views of the message headers in the window, per-source blocks whatever
+    the layout (rows past the counts are undefined), valid until the next-but-one LL operation.
     """
 
     owner_id: int
@@ -82,6 +97,9 @@ class LowLatencyHandle:
     count_per_source: torch.Tensor
     recv_src_token: torch.Tensor
     recv_topk_slot: torch.Tensor
+    recv_layout: str = "per_source"
+    recv_src_info: torch.Tensor | None = None
+    recv_layout_range: torch.Tensor | None = None
     received: bool = False
 
 
@@ -147,18 +165,35 @@ class LowLatencyMixin:
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
         *,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
         use_fp8: bool = True,
         round_scale: bool = False,
         use_ue8m0: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+        recv_layout: str = "compact",
         async_finish: bool = False,
         return_recv_hook: bool = False,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap | None, Callable[[], None] | None]:
         """Send every (token, selected expert) to the expert's rank; returns
         ``(recv_x, recv_count, handle, event, hook)``.
 
-        ``recv_x`` is ``(fp8 [L, R*T_ll, H], fp32 scales [L, R*T_ll, H/128])`` with ``use_fp8``,
-        else bf16 ``[L, R*T_ll, H]``; rows ``[s*T_ll, s*T_ll + n)`` of local expert ``l`` hold the
-        ``n`` tokens of rank ``s`` that selected it, in token order (rows past ``n`` are undefined).
+        ``recv_x`` is ``(fp8 [L, R*T_ll, H], scales)`` with ``use_fp8``, else bf16 ``[L, R*T_ll, H]``.
+        ``recv_layout="compact"`` (default): a fresh tensor; local expert ``l``'s rows are packed in
+        ``[0, recv_count[l])``, ordered by (source rank, source token). ``"per_source"``: a zero-copy
+        view of the window; rows ``[s*T_ll, s*T_ll + n)`` hold the ``n`` tokens of rank ``s`` in
+        token order. Rows past the counts are undefined in both.
+
+        fp8 scales: fp32 ``[L, R*T_ll, H/128]``, row-major; ``use_tma_aligned_col_major_sf``: the
+        same values column-major in the last two dims (strides ``(G*R*T_ll, 1, R*T_ll)``, DeepEP
+        V1's LL layout; no effect without fp8). ``round_scale``: power-of-two scales
+        (deep_ep/fp8.py). ``use_ue8m0`` (needs ``round_scale`` and ``H % 512 == 0``): int32
+        ``[L, R*T_ll, H/512]``, each word the UE8M0 exponent bytes of 4 groups (first group in the
+        lowest byte), row- or column-major as above. Column-major and UE8M0 need compact rows.
+
+        ``cumulative_local_expert_recv_stats`` int32 [L] gets ``recv_count`` added;
+        ``dispatch_wait_recv_cost_stats`` int64 [R] gets the clock cycles the receive phase waited for
+        each source rank added (both by the receive phase, on its stream).
         ``recv_count`` int32 [L]. ``event`` is an EventOverlap with ``async_finish``, ``hook`` a
         callable launching the receive phase with ``return_recv_hook``; otherwise None.
         """
@@ -167,27 +202,39 @@ class LowLatencyMixin:
         self._ll_check_outstanding("low_latency_dispatch")
         try:
             self._ll_check_settings(num_max_dispatch_tokens_per_rank, num_experts)
-            if round_scale:
-                raise ValueError(
-                    "round_scale=True (power-of-two fp8 scales) is not implemented; pass round_scale=False"
-                )
-            if use_ue8m0:
-                raise ValueError("use_ue8m0=True (packed UE8M0 scales) is not implemented; pass use_ue8m0=False")
+            self._ll_check_dispatch_options(use_fp8, round_scale, use_ue8m0, use_tma_aligned_col_major_sf, recv_layout)
             self._ll_check_modes(async_finish, return_recv_hook)
             device = self._ll_device()
             num_tokens, num_topk = self._ll_check_dispatch_inputs(x, topk_idx, device)
+            num_local = self._ll_layout()["num_local_experts"]
+            self._ll_check_stats(
+                "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, num_local, device
+            )
+            self._ll_check_stats(
+                "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, self.num_ranks, device
+            )
         except (ValueError, TypeError) as error:
             # This rank's input is bad, but its peers run this dispatch: take part without data.
             self._ll_dispatch_without_input(error)
             raise
 
-        num_local = self._ll_layout()["num_local_experts"]
         x, topk_idx = _aligned(x), topk_idx.contiguous()
         recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
         count_per_source = torch.empty(num_local, self.num_ranks, dtype=torch.int32, device=device)
+        num_slots = self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        recv_src_info = torch.empty(num_local, num_slots, dtype=torch.int32, device=device)
+        recv_layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
         parity, op_index = self._ll_begin()
         views = self._ll_views(parity)
-        recv_x = (views["x_fp8"], views["x_scales"]) if use_fp8 else views["x_bf16"]
+        scales_format = _SCALES_FP32_ROW
+        out_data = out_scales = None
+        if recv_layout == "compact":
+            out_data, out_scales, recv_scales, scales_format = self._ll_compact_outputs(
+                use_fp8, use_ue8m0, use_tma_aligned_col_major_sf, device
+            )
+            recv_x = (out_data, recv_scales) if use_fp8 else out_data
+        else:
+            recv_x = (views["x_fp8"], views["x_scales"]) if use_fp8 else views["x_bf16"]
         handle = LowLatencyHandle(
             owner_id=self._serial,
             parity=parity,
@@ -202,7 +249,12 @@ class LowLatencyMixin:
             count_per_source=count_per_source,
             recv_src_token=views["src_token"],
             recv_topk_slot=views["topk_slot"],
+            recv_layout=recv_layout,
+            recv_src_info=recv_src_info,
+            recv_layout_range=recv_layout_range,
         )
+        outputs = (out_data, out_scales, recv_src_info, recv_layout_range)
+        stats = (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
@@ -217,6 +269,15 @@ class LowLatencyMixin:
                 count_per_source.data_ptr(),
                 self._max_num_sms,
                 stream.cuda_stream,
+                False,
+                round_scale,
+                _pointer(out_data),
+                _pointer(out_scales),
+                scales_format,
+                recv_src_info.data_ptr(),
+                recv_layout_range.data_ptr(),
+                _pointer(cumulative_local_expert_recv_stats),
+                _pointer(dispatch_wait_recv_cost_stats),
             )
 
         def receive() -> None:
@@ -229,7 +290,7 @@ class LowLatencyMixin:
             receive,
             async_finish,
             return_recv_hook,
-            keep_alive=(x, topk_idx, recv_count, count_per_source),
+            keep_alive=tuple(t for t in (x, topk_idx, recv_count, count_per_source, *outputs, *stats) if t is not None),
         )
         return recv_x, recv_count, handle, event, hook
 
@@ -244,13 +305,18 @@ class LowLatencyMixin:
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, EventOverlap | None, Callable[[], None] | None]:
         """Return each expert output row to its token's rank and sum ``Σ_k w[t, k] · y_k`` in fp32
         (k ascending, ``-1`` skipped, one bf16 rounding); returns ``(combined_x [T, H], event, hook)``.
 
-        ``x`` bf16 ``[L, R*T_ll, H]`` laid out like the dispatch's ``recv_x``; ``topk_idx`` /
-        ``topk_weights`` are the ones given to the dispatch (int64 / fp32 ``[T, K]``). ``out``: a
-        bf16 ``[T, H]`` tensor to write into instead of allocating.
+        ``x`` bf16 ``[L, R*T_ll, H]`` laid out like the dispatch's ``recv_x`` (its handle's
+        ``recv_layout``); ``topk_idx`` / ``topk_weights`` are the ones given to the dispatch (int64 /
+        fp32 ``[T, K]``). ``out``: a bf16 ``[T, H]`` tensor to write into instead of allocating.
+        ``zero_copy`` is accepted for DeepEP's callers: the send phase always reads ``x`` in place
+        (there is no staging copy to skip), e.g. the tensor of ``get_next_low_latency_combine_buffer``.
+        ``combine_wait_recv_cost_stats`` int64 [R] gets the clock cycles the receive phase waited for
+        each source rank added.
         """
         self._ensure_usable()
         self._check_fatal_errors()
@@ -259,13 +325,14 @@ class LowLatencyMixin:
         try:
             self._ll_check_handle(handle)
             handle_usable = True
-            if zero_copy:
-                raise ValueError(
-                    "zero_copy=True (expert outputs written in place into the send area) is not implemented"
-                )
+            if not isinstance(zero_copy, bool):
+                raise TypeError(f"zero_copy must be a bool, got {type(zero_copy).__name__}")
             self._ll_check_modes(async_finish, return_recv_hook)
             device = self._ll_device()
             self._ll_check_combine_inputs(x, topk_idx, topk_weights, handle, out, device)
+            self._ll_check_stats(
+                "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, self.num_ranks, device
+            )
         except (ValueError, TypeError, RuntimeError) as error:
             # Take part without data: zero rows when the handle is usable (this rank's experts count
             # as absent in the peers' results), else none.
@@ -277,6 +344,7 @@ class LowLatencyMixin:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
         parity, _ = self._ll_begin()
         count_per_source = handle.count_per_source
+        layout_range = handle.recv_layout_range if handle.recv_layout == "compact" else None
 
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
@@ -292,6 +360,9 @@ class LowLatencyMixin:
                 handle.num_topk,
                 self._max_num_sms,
                 stream.cuda_stream,
+                False,
+                _pointer(layout_range),
+                _pointer(combine_wait_recv_cost_stats),
             )
 
         event, hook = self._ll_run(
@@ -300,9 +371,33 @@ class LowLatencyMixin:
             lambda: launch(_C.low_latency_combine_recv, torch.cuda.current_stream()),
             async_finish,
             return_recv_hook,
-            keep_alive=(x, topk_idx, topk_weights, count_per_source, out),
+            keep_alive=tuple(
+                t
+                for t in (x, topk_idx, topk_weights, count_per_source, out, layout_range, combine_wait_recv_cost_stats)
+                if t is not None
+            ),
         )
         return out, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the buffer (one per parity, allocated at the
+        first call) to write expert outputs into and pass as ``low_latency_combine``'s ``x``
+        (DeepEP's zero-copy combine). Rows follow ``handle.recv_layout``. The combine's send phase
+        reads it: do not write it again before that combine's send phase has run (stream order)."""
+        self._ensure_usable()
+        self._ll_check_handle(handle)
+        parity = self._ll_next_parity
+        buffers = self.__dict__.setdefault("_ll_combine_buffers", {})
+        if parity not in buffers:
+            num_local = self._ll_layout()["num_local_experts"]
+            buffers[parity] = torch.empty(
+                num_local,
+                self.num_ranks * self.num_max_dispatch_tokens_per_rank,
+                self.hidden,
+                dtype=torch.bfloat16,
+                device=self._ll_device(),
+            )
+        return buffers[parity]
 
     # ------------------------------------------------------------- failed input
 
@@ -468,6 +563,69 @@ class LowLatencyMixin:
 
     def _ll_device(self) -> torch.device:
         return self._torch_device
+
+    def _ll_compact_outputs(
+        self, use_fp8: bool, use_ue8m0: bool, col_major: bool, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """``(recv_x data, scales storage, scales as returned, scales format)`` for compact rows."""
+        num_local = self._ll_layout()["num_local_experts"]
+        num_slots = self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        data = torch.empty(num_local, num_slots, self.hidden, dtype=dtype, device=device)
+        if not use_fp8:
+            return data, None, None, _SCALES_FP32_ROW
+        groups = self.hidden // FP8_GROUP_SIZE
+        if use_ue8m0:
+            groups, scale_dtype = groups // UE8M0_GROUP_WORDS, torch.int32
+            formats = (_SCALES_UE8M0_ROW, _SCALES_UE8M0_COL)
+        else:
+            scale_dtype, formats = torch.float32, (_SCALES_FP32_ROW, _SCALES_FP32_COL)
+        if col_major:
+            storage = torch.empty(num_local, groups, num_slots, dtype=scale_dtype, device=device)
+            return data, storage, storage.transpose(1, 2), formats[1]
+        storage = torch.empty(num_local, num_slots, groups, dtype=scale_dtype, device=device)
+        return data, storage, storage, formats[0]
+
+    def _ll_check_dispatch_options(
+        self, use_fp8: Any, round_scale: Any, use_ue8m0: Any, col_major: Any, recv_layout: Any
+    ) -> None:
+        for name, value in (
+            ("use_fp8", use_fp8),
+            ("round_scale", round_scale),
+            ("use_ue8m0", use_ue8m0),
+            ("use_tma_aligned_col_major_sf", col_major),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if recv_layout not in RECV_LAYOUTS:
+            raise ValueError(f"recv_layout must be one of {RECV_LAYOUTS}, got {recv_layout!r}")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True rounds fp8 scales to powers of two: it needs use_fp8=True")
+        if use_ue8m0:
+            if not round_scale:
+                raise ValueError("use_ue8m0=True packs power-of-two scales: it needs round_scale=True")
+            if self.hidden % (UE8M0_GROUP_WORDS * FP8_GROUP_SIZE) != 0:
+                raise ValueError(
+                    f"use_ue8m0=True packs 4 groups of 128 channels per int32: hidden must be a multiple of 512, "
+                    f"got {self.hidden}"
+                )
+        if recv_layout == "per_source" and use_fp8 and (use_ue8m0 or col_major):
+            option = "use_ue8m0" if use_ue8m0 else "use_tma_aligned_col_major_sf"
+            raise ValueError(
+                f"{option}=True needs recv_layout='compact' (per-source rows are the window's own fp32 row-major "
+                "scales, returned without a copy)"
+            )
+
+    @staticmethod
+    def _ll_check_stats(name: str, value: Any, dtype: torch.dtype, length: int, device: torch.device) -> None:
+        if value is None:
+            return
+        kind = str(dtype).removeprefix("torch.")
+        _require_tensor(name, value, f"{kind} [{length}]")
+        if value.dtype != dtype or list(value.shape) != [length] or not value.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {kind} [{length}] tensor, got {_describe(value)}")
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device} (the buffer's device), got {_describe(value)}")
 
     # --------------------------------------------------------------- validation
 

@@ -4,6 +4,10 @@
 //   inv   = 448 / amax     (one correctly rounded division, never 448 * (1 / amax))
 //   q     = e4m3_rn_satfinite(x * inv)   (one fp32 multiply, then round to nearest even)
 //   scale = amax / 448     (again one correctly rounded division)
+// With power-of-two scales (DeepEP's round_scale):
+//   t     = amax * fp32(1/448)   (one rounded multiply), floored amax as above
+//   e     = ceil(log2(t)), exactly, from t's bits (exponent, +1 when the mantissa is non-zero)
+//   scale = 2^e, inv = 2^-e, q = e4m3_rn_satfinite(x * inv) (an exact multiply)
 // The intrinsics below are used instead of operators so that neither --use_fast_math nor FMA
 // contraction can change a single rounding.
 #pragma once
@@ -17,6 +21,7 @@ namespace deep_ep::fp8 {
 
 constexpr float kE4m3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
+constexpr float kInvE4m3Max = 1.0f / 448.0f;  // fp32(1/448), folded at compile time
 
 // Eight bf16 channels (one 16-byte vector) widened to fp32; the widening is exact.
 struct Channels8 {
@@ -48,6 +53,15 @@ __device__ __forceinline__ float inverse_scale(float group_amax) {
 }
 
 __device__ __forceinline__ float scale(float group_amax) { return __fdiv_rn(fmaxf(group_amax, kAmaxFloor), kE4m3Max); }
+
+// Power-of-two scales: the exponent e of scale = 2^e for a group's amax.
+__device__ __forceinline__ int pow2_scale_exponent(float group_amax) {
+  const uint32_t bits = __float_as_uint(__fmul_rn(fmaxf(group_amax, kAmaxFloor), kInvE4m3Max));
+  return static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+}
+
+// 2^e as fp32 for the exponents pow2_scale_exponent yields (normal numbers only).
+__device__ __forceinline__ float exp2_exact(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
 
 // Eight channels to eight E4M3 bytes (little-endian channel order, as torch stores them).
 __device__ __forceinline__ uint2 quantise8(const Channels8& channels, float inv_scale) {

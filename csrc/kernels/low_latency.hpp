@@ -42,6 +42,14 @@ namespace deep_ep {
 // parity so that two outstanding combines received on different streams never share a counter.
 constexpr int kLowLatencyScratchIndex = WorkspaceLayout::kNumScratchInts - 2;
 
+// Layout of the fp8 scales the dispatch receive phase writes into its output (compact rows).
+enum class LowLatencyScales : int {
+  kFp32RowMajor = 0,   // fp32 [L][R * T_ll][G]
+  kFp32ColMajor = 1,   // fp32 [L][G][R * T_ll] (DeepEP V1's TMA-friendly layout)
+  kUe8m0RowMajor = 2,  // int32 [L][R * T_ll][G / 4]: exponent bytes of 4 groups, the first lowest
+  kUe8m0ColMajor = 3,  // int32 [L][G / 4][R * T_ll]
+};
+
 constexpr int kLowLatencySendThreads = 512;
 constexpr int kLowLatencyRecvThreads = 512;
 
@@ -60,6 +68,17 @@ struct LowLatencyDispatchArgs {
   int32_t* count_per_source = nullptr;  // out: [L, R] tokens received per (local expert, source)
   int num_sms = 1;                      // CTAs per kernel (<= the rank's SM cap)
   bool input_failed = false;            // this rank sends nothing and tells its peers why
+  bool round_scale = false;             // fp8: power-of-two scales (kernels/fp8.cuh)
+  // Receive phase outputs besides the counts. recv_x == nullptr: rows stay in the window in
+  // per-source blocks (zero-copy); otherwise expert l's rows are copied to recv_x[l] packed in
+  // [0, recv_count[l]) ordered by (source, source token), with their scales in `scales_format`.
+  void* recv_x = nullptr;                         // [L, R * T_ll, H] fp8 or bf16
+  void* recv_scales = nullptr;                    // fp8 only
+  LowLatencyScales scales_format = LowLatencyScales::kFp32RowMajor;
+  int32_t* recv_src_info = nullptr;               // [L, R * T_ll] source token of each row (output layout)
+  int64_t* recv_layout_range = nullptr;           // [L, R] (first row << 32) | count, output layout
+  int32_t* cumulative_recv_stats = nullptr;       // [L] += recv_count
+  int64_t* wait_cost_stats = nullptr;             // [R] += clock64 cycles waited for each source
 };
 
 struct LowLatencyCombineArgs {
@@ -79,6 +98,10 @@ struct LowLatencyCombineArgs {
   void* out = nullptr;                        // bf16 [T, hidden], contiguous
   int num_sms = 1;
   bool input_failed = false;  // this rank sends no row (count_per_source may be null) and tells its peers
+  // The dispatch's layout range [L, R] when its rows were compacted (x rows of (l, s) start at
+  // l * R * T_ll + range >> 32); nullptr: per-source blocks (rows of (l, s) at (l * R + s) * T_ll).
+  const int64_t* layout_range = nullptr;
+  int64_t* wait_cost_stats = nullptr;  // [R] += clock64 cycles the receive phase waited per source
 };
 
 // Throw std::invalid_argument for shapes the kernels cannot take, std::runtime_error for a failed

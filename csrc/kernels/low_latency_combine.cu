@@ -34,6 +34,7 @@ constexpr int kSlotsInFlight = 4;   // top-k slots loaded before they are summed
 
 __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
   __shared__ int unit_counts[kUnitsPerRound];
+  __shared__ int64_t unit_first_x_row[kUnitsPerRound];
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
@@ -62,6 +63,15 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           unit < num_units && args.count_per_source != nullptr
               ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
               : 0;
+      // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
+      // (first row from its layout range, clamped inside the expert's rows like the count).
+      int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
+      if (unit < num_units && args.layout_range != nullptr) {
+        const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
+        const int64_t begin = std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+        first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
+      }
+      unit_first_x_row[threadIdx.x] = first_x_row;
     }
     __syncthreads();
 
@@ -70,7 +80,8 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
       const int unit = unit_of(j);
       if (unit >= num_units) break;
       const int count = unit_counts[j];
-      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // rows [l][s][0, count)
+      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
+      const int64_t first_x_row = unit_first_x_row[j];
       int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
       for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
         const int64_t row = first_row + i;
@@ -83,7 +94,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           // This rank's input failed: its expert outputs count as zero, not as stale slot data.
           for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
         } else {
-          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + row * num_vectors, num_vectors, lane);
+          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
         }
       }
       rows_before += count;
@@ -126,6 +137,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
 
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
+  const long long start = clock64();
   for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
     const int source = cell_index % num_ranks;
     const int32_t* cell =
@@ -135,6 +147,11 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
       return seen != 0;
     });
     if (!arrived) atomicExch(&failed, 1);
+    // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
+    if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
+                static_cast<unsigned long long>(clock64() - start));
+    }
   }
   __syncthreads();
   if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError

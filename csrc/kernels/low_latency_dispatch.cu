@@ -67,9 +67,18 @@ __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args,
 #pragma unroll
       for (int offset = 8; offset >= 1; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       if (group < num_groups) {
-        *reinterpret_cast<uint2*>(dst + group * kFp8GroupSize + sub * 8) =
-            fp8::quantise8(channels, fp8::inverse_scale(amax));
-        if (sub == 0) dst_scales[group] = fp8::scale(amax);
+        float inv_scale = 0.0f;
+        float scale = 0.0f;
+        if (args.round_scale) {
+          const int exponent = fp8::pow2_scale_exponent(amax);
+          inv_scale = fp8::exp2_exact(-exponent);
+          scale = fp8::exp2_exact(exponent);
+        } else {
+          inv_scale = fp8::inverse_scale(amax);
+          scale = fp8::scale(amax);
+        }
+        *reinterpret_cast<uint2*>(dst + group * kFp8GroupSize + sub * 8) = fp8::quantise8(channels, inv_scale);
+        if (sub == 0) dst_scales[group] = scale;
       }
     }
   }
@@ -173,18 +182,54 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   }
 }
 
-// One CTA per local expert (strided): thread s waits for the cell of source s, records the count
+// Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
+__device__ __forceinline__ void store_scales(const LowLatencyDispatchArgs& args, const float* src, int64_t local,
+                                             int64_t row, int lane) {
+  const int num_groups = args.hidden / kFp8GroupSize;
+  const int64_t num_rows = int64_t{args.view.num_ranks} * args.layout.num_max_tokens;
+  switch (args.scales_format) {
+    case LowLatencyScales::kFp32RowMajor:
+    case LowLatencyScales::kFp32ColMajor: {
+      const bool col = args.scales_format == LowLatencyScales::kFp32ColMajor;
+      auto* out = static_cast<float*>(args.recv_scales) + local * num_rows * num_groups;
+      for (int g = lane; g < num_groups; g += 32) out[col ? g * num_rows + row : row * num_groups + g] = src[g];
+      break;
+    }
+    case LowLatencyScales::kUe8m0RowMajor:
+    case LowLatencyScales::kUe8m0ColMajor: {
+      // Power-of-two scales (round_scale): the UE8M0 byte is the fp32 exponent field.
+      const bool col = args.scales_format == LowLatencyScales::kUe8m0ColMajor;
+      const int num_words = num_groups / 4;
+      auto* out = static_cast<int32_t*>(args.recv_scales) + local * num_rows * num_words;
+      for (int w = lane; w < num_words; w += 32) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) word |= ((__float_as_uint(src[4 * w + b]) >> 23) & 0xffu) << (8 * b);
+        out[col ? w * num_rows + row : row * num_words + w] = static_cast<int32_t>(word);
+      }
+      break;
+    }
+  }
+}
+
+// One CTA per local expert (strided). Thread s waits for the cell of source s, records the count
 // and resets the cell (the source writes it again only after this rank's next operation on the
-// parity has started, which is after this kernel).
+// parity has started, which is after this kernel). Warp 0 then turns the counts into each source's
+// first output row, and the warps copy the rows out of the window when recv_x is given (compact
+// rows; the source of output row r is the last s whose first row is <= r).
 __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
-  __shared__ int total;
+  __shared__ int first_row[kMaxRanks + 1];  // exclusive prefix of the counts over sources; [R] = total
   const DeviceView& view = args.view;
+  const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
-  for (int local = blockIdx.x; local < args.layout.num_local_experts; local += gridDim.x) {
-    if (threadIdx.x == 0) total = 0;
-    __syncthreads();
+  const int64_t num_max_tokens = layout.num_max_tokens;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const bool compact = args.recv_x != nullptr;
+  const long long start = clock64();
+  for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-      int32_t* cell = low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local, source);
+      int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);
       int32_t value = 0;
       const bool arrived =
           wait_until(view, Operation::kLlDispatch, Phase::kCountsArrive, source, 1, [&](int64_t& seen) {
@@ -192,14 +237,76 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
             seen = value;
             return value != 0;
           });
-      const int32_t count = arrived ? value - 1 : 0;
+      if (args.wait_cost_stats != nullptr) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
+                  static_cast<unsigned long long>(clock64() - start));
+      }
+      // Clamped so that a corrupted count can never address past the source's slots.
+      const int32_t count = arrived ? min(max(value - 1, 0), static_cast<int32_t>(num_max_tokens)) : 0;
       args.count_per_source[int64_t{local} * num_ranks + source] = count;
-      atomicAdd(&total, count);
+      first_row[source] = count;
       ptx::st_relaxed_sys(cell, 0);
     }
     __syncthreads();
-    if (threadIdx.x == 0) args.recv_count[local] = total;
+    if (warp == 0) {
+      int carry = 0;
+      for (int base = 0; base < num_ranks; base += 32) {
+        const int source = base + lane;
+        const int count = source < num_ranks ? first_row[source] : 0;
+        int inclusive = count;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset *= 2) {
+          const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+          if (lane >= offset) inclusive += other;
+        }
+        if (source < num_ranks) first_row[source] = carry + inclusive - count;
+        carry += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
+      if (lane == 0) {
+        first_row[num_ranks] = carry;
+        args.recv_count[local] = carry;
+        if (args.cumulative_recv_stats != nullptr) args.cumulative_recv_stats[local] += carry;
+      }
+    }
     __syncthreads();
+    const int total = first_row[num_ranks];
+    if (args.recv_layout_range != nullptr) {
+      for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+        const int64_t begin = compact ? first_row[source] : source * num_max_tokens;
+        const int64_t count = first_row[source + 1] - first_row[source];
+        args.recv_layout_range[int64_t{local} * num_ranks + source] = (begin << 32) | count;
+      }
+    }
+    if (compact || args.recv_src_info != nullptr) {
+      const auto* headers = view.local<const int4>(args.area_offset + layout.dispatch_headers_offset);
+      const int64_t row_bytes = args.use_fp8 ? args.hidden : int64_t{args.hidden} * 2;
+      const int num_vectors = static_cast<int>(row_bytes / 16);
+      const auto* payload = view.local<const int4>(args.area_offset + layout.dispatch_payload_offset);
+      const auto* scales = view.local<const float>(args.area_offset + layout.dispatch_scales_offset);
+      for (int row = warp; row < total; row += kLowLatencyRecvThreads / 32) {
+        int low = 0;
+        int high = num_ranks - 1;
+        while (low < high) {
+          const int middle = (low + high + 1) / 2;
+          if (first_row[middle] <= row) {
+            low = middle;
+          } else {
+            high = middle - 1;
+          }
+        }
+        const int64_t slot = (int64_t{local} * num_ranks + low) * num_max_tokens + (row - first_row[low]);
+        const int64_t out_row = compact ? row : slot - int64_t{local} * num_ranks * num_max_tokens;
+        const int64_t expert_rows = int64_t{num_ranks} * num_max_tokens;
+        if (args.recv_src_info != nullptr && lane == 0) {
+          args.recv_src_info[local * expert_rows + out_row] = headers[slot].x;
+        }
+        if (!compact) continue;
+        auto* dst = static_cast<int4*>(args.recv_x) + (local * expert_rows + out_row) * num_vectors;
+        low_latency::warp_copy_row<8>(dst, payload + slot * num_vectors, num_vectors, lane);
+        if (args.use_fp8) store_scales(args, scales + slot * (args.hidden / kFp8GroupSize), local, out_row, lane);
+      }
+    }
+    __syncthreads();  // first_row is rewritten for the next local expert
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
 }
@@ -208,6 +315,16 @@ void check_args(const LowLatencyDispatchArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   EP_REQUIRE(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
              "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
+  const bool ue8m0 = args.scales_format == LowLatencyScales::kUe8m0RowMajor ||
+                     args.scales_format == LowLatencyScales::kUe8m0ColMajor;
+  if (args.recv_x != nullptr && args.use_fp8 && ue8m0) {
+    EP_REQUIRE(args.round_scale, "UE8M0 scales need round_scale (power-of-two scales)");
+    EP_REQUIRE(args.hidden % (4 * kFp8GroupSize) == 0,
+               "UE8M0 scales pack 4 groups per int32: hidden must be a multiple of 512, got " +
+                   std::to_string(args.hidden));
+  }
+  EP_REQUIRE(args.recv_x == nullptr || !args.use_fp8 || args.recv_scales != nullptr,
+             "an fp8 dispatch with compact rows needs recv_scales");
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 

@@ -97,11 +97,24 @@ void register_low_latency(py::module_& m) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int parity,
                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
                     std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
-                    bool input_failed) {
+                    bool input_failed, bool round_scale, std::uintptr_t recv_x, std::uintptr_t recv_scales,
+                    int scales_format, std::uintptr_t recv_src_info, std::uintptr_t recv_layout_range,
+                    std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
       LowLatencyDispatchArgs args = dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk, use_fp8,
                                                   recv_count, count_per_source, num_sms);
       args.input_failed = input_failed;
+      args.round_scale = round_scale;
+      if (scales_format < 0 || scales_format > static_cast<int>(LowLatencyScales::kUe8m0ColMajor)) {
+        throw std::invalid_argument("scales_format must be in [0, 3], got " + std::to_string(scales_format));
+      }
+      args.recv_x = pointer<void>(recv_x);
+      args.recv_scales = pointer<void>(recv_scales);
+      args.scales_format = static_cast<LowLatencyScales>(scales_format);
+      args.recv_src_info = pointer<int32_t>(recv_src_info);
+      args.recv_layout_range = pointer<int64_t>(recv_layout_range);
+      args.cumulative_recv_stats = pointer<int32_t>(cumulative_recv_stats);
+      args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
       launch(args, as_stream(stream));
     };
   };
@@ -109,23 +122,30 @@ void register_low_latency(py::module_& m) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk,
                     int dispatch_parity, int parity, std::uintptr_t x, std::uintptr_t count_per_source,
                     std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
-                    int num_topk, int num_sms, std::uintptr_t stream, bool input_failed) {
+                    int num_topk, int num_sms, std::uintptr_t stream, bool input_failed, std::uintptr_t layout_range,
+                    std::uintptr_t wait_cost_stats) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
       LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_parity, parity, x, count_per_source,
                                                 topk_idx, topk_weights, out, num_tokens, num_topk, num_sms);
       args.input_failed = input_failed;
+      args.layout_range = pointer<const int64_t>(layout_range);
+      args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
       launch(args, as_stream(stream));
     };
   };
 
-  // Send phase (x, topk_idx read) and receive phase (recv_count, count_per_source written) of one
-  // LL dispatch; both take the same arguments.
+  // Send phase (x, topk_idx read) and receive phase (recv_count, count_per_source and the row
+  // outputs written) of one LL dispatch; both take the same arguments. recv_x = 0: per-source rows
+  // stay in the window; scales_format: LowLatencyScales.
   for (const auto& [name, launch] : {std::pair{"low_latency_dispatch_send", &launch_low_latency_dispatch_send},
                                      std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv}}) {
     m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("parity"), py::arg("x"), py::arg("topk_idx"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
-          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false);
+          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false,
+          py::arg("round_scale") = false, py::arg("recv_x") = 0, py::arg("recv_scales") = 0,
+          py::arg("scales_format") = 0, py::arg("recv_src_info") = 0, py::arg("recv_layout_range") = 0,
+          py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0);
   }
   // Send phase (x, count_per_source read) and receive phase (out written from topk_idx/weights)
   // of one LL combine.
@@ -135,7 +155,7 @@ void register_low_latency(py::module_& m) {
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_parity"), py::arg("parity"), py::arg("x"),
           py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"),
-          py::arg("input_failed") = false);
+          py::arg("input_failed") = false, py::arg("layout_range") = 0, py::arg("wait_cost_stats") = 0);
   }
 }
 

@@ -116,10 +116,25 @@ def test_dispatch_without_low_latency_region_raises() -> None:
         buffer.low_latency_dispatch(_x(), _idx(), 0, NUM_EXPERTS)
 
 
-@pytest.mark.parametrize("option", ["round_scale", "use_ue8m0"])
-def test_unimplemented_dispatch_options_raise(option: str) -> None:
-    with pytest.raises(ValueError, match=f"{option}=True .* not implemented"):
-        FakeBuffer().low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS, **{option: True})
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"use_fp8": False, "round_scale": True}, ValueError, "needs use_fp8=True"),
+        ({"use_ue8m0": True}, ValueError, "needs round_scale=True"),
+        ({"use_ue8m0": True, "round_scale": True}, ValueError, "multiple of 512, got 256"),
+        ({"recv_layout": "blocks"}, ValueError, "recv_layout must be one of"),
+        ({"recv_layout": "per_source", "use_tma_aligned_col_major_sf": True}, ValueError, "recv_layout='compact'"),
+        ({"round_scale": 1}, TypeError, "round_scale must be a bool"),
+        ({"cumulative_local_expert_recv_stats": torch.zeros(NUM_LOCAL, dtype=torch.int64)}, ValueError, "int32 [4]"),
+        ({"dispatch_wait_recv_cost_stats": torch.zeros(NUM_RANKS + 1, dtype=torch.int64)}, ValueError, "int64 [2]"),
+        ({"dispatch_wait_recv_cost_stats": [0, 0]}, TypeError, "must be a tensor"),
+    ],
+    ids=["round_bf16", "ue8m0_no_round", "ue8m0_hidden", "layout", "col_per_source", "bool", "stats", "cost", "list"],
+)
+def test_dispatch_options_follow_their_rules(options: dict, error: type, words: str) -> None:
+    with pytest.raises(error) as info:
+        FakeBuffer().low_latency_dispatch(_x(), _idx(), CAP, NUM_EXPERTS, **options)
+    assert words in str(info.value)
 
 
 def test_async_finish_and_hook_together_are_rejected() -> None:
@@ -141,10 +156,13 @@ def test_a_third_outstanding_operation_raises_naming_the_rule() -> None:
         buffer.low_latency_combine(_combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer))
 
 
-def test_combine_rejects_zero_copy() -> None:
+def test_combine_checks_zero_copy_and_its_stats_argument() -> None:
     buffer = FakeBuffer()
-    with pytest.raises(ValueError, match="zero_copy=True .* not implemented"):
-        buffer.low_latency_combine(_combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer), zero_copy=True)
+    args = (_combine_x(), _idx(), torch.zeros(4, LL_TOPK), _handle(buffer))
+    with pytest.raises(TypeError, match="zero_copy must be a bool"):
+        buffer.low_latency_combine(*args, zero_copy="yes")
+    with pytest.raises(ValueError, match="combine_wait_recv_cost_stats must be a contiguous int64 \\[2\\]"):
+        buffer.low_latency_combine(*args, combine_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int32))
 
 
 def test_combine_rejects_foreign_unreceived_and_stale_handles() -> None:

@@ -20,9 +20,12 @@ class NoHostSync:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def ll_dispatch_call(buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, mode: str) -> tuple:
+def ll_dispatch_call(
+    buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, mode: str, **options: Any
+) -> tuple:
     """``(recv_x, recv_count, handle, hook)``: ``hook`` is None unless ``mode`` is 'hook' (then the
-    caller calls it); with 'async' the caller's stream already waits for the event."""
+    caller calls it); with 'async' the caller's stream already waits for the event. ``options``:
+    further low_latency_dispatch keywords (layout, scale format, stats)."""
     with NoHostSync():
         recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
             x,
@@ -32,6 +35,7 @@ def ll_dispatch_call(buffer: Any, x: torch.Tensor, topk_idx: torch.Tensor, use_f
             use_fp8=use_fp8,
             async_finish=mode == "async",
             return_recv_hook=mode == "hook",
+            **options,
         )
         assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
         if event is not None:
@@ -47,6 +51,7 @@ def ll_combine_call(
     handle: Any,
     mode: str,
     out: torch.Tensor | None = None,
+    **options: Any,
 ) -> tuple:
     """``(combined, hook)`` as ``ll_dispatch_call``."""
     with NoHostSync():
@@ -58,6 +63,7 @@ def ll_combine_call(
             async_finish=mode == "async",
             return_recv_hook=mode == "hook",
             out=out,
+            **options,
         )
         assert (event is not None) == (mode == "async") and (hook is not None) == (mode == "hook")
         if event is not None:
@@ -65,11 +71,23 @@ def ll_combine_call(
     return combined, hook
 
 
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., 4 W]`` power-of-two scales from int32 ``[..., W]`` UE8M0 words (group 4w + b in
+    byte b of word w)."""
+    shifts = torch.arange(4, device=packed.device, dtype=torch.int32) * 8
+    exponents = (packed.unsqueeze(-1) >> shifts) & 0xFF
+    return (exponents << 23).view(torch.float32).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
 def ll_expert_output(recv_x: Any, use_fp8: bool) -> torch.Tensor:
     """A deterministic 'expert': dequantise, then scale local expert l by (l % 3 + 1) in bf16.
 
     Same arithmetic on the reference's tensors and on the kernels' views, so a bitwise-correct
     dispatch gives bitwise-identical combine inputs on the valid rows."""
-    y = per_token_cast_back(*recv_x) if use_fp8 else recv_x
+    if use_fp8:
+        data, scales = recv_x
+        y = per_token_cast_back(data, unpack_ue8m0(scales) if scales.dtype == torch.int32 else scales.contiguous())
+    else:
+        y = recv_x
     factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
     return y * factors.view(-1, 1, 1)

@@ -531,8 +531,11 @@ def check_ll_dispatch(expected: dict, recv_x: Any, recv_count: torch.Tensor, han
     valid = ll_valid_row_mask(expected)
     assert_bitwise_equal("recv_count", recv_count, expected["count"])
     assert_bitwise_equal("count_per_source", handle.count_per_source, expected["count_per_source"])
-    assert_bitwise_equal("recv_src_token", handle.recv_src_token.long()[valid], expected["src_token"][valid])
-    assert_bitwise_equal("recv_topk_slot", handle.recv_topk_slot.long()[valid], expected["topk_slot"][valid])
+    assert_bitwise_equal("recv_src_info", handle.recv_src_info.long()[valid], expected["src_token"][valid])
+    assert_bitwise_equal("recv_layout_range", handle.recv_layout_range, expected["layout_range"])
+    if handle.recv_layout == "per_source":  # the window headers are laid out like per-source rows
+        assert_bitwise_equal("recv_src_token", handle.recv_src_token.long()[valid], expected["src_token"][valid])
+        assert_bitwise_equal("recv_topk_slot", handle.recv_topk_slot.long()[valid], expected["topk_slot"][valid])
     data, scales = split(recv_x)
     assert_bitwise_equal("recv_x", _bits(data)[valid], _bits(expected["x"])[valid])
     if expected["x_scales"] is None:

@@ -17,6 +17,7 @@ import torch
 from ll_calls import NoHostSync, ll_combine_call, ll_dispatch_call, ll_expert_output
 
 import deep_ep
+from deep_ep.fp8 import pack_ue8m0
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
@@ -49,9 +50,28 @@ class Case:
     mode: str  # "direct", "hook" or "async"
     num_topk: int | None = None  # None: the buffer's
     hot_expert: bool = False  # every token selects expert 1 (or 0 when E == 1)
+    recv_layout: str = "compact"
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    col_major: bool = False  # use_tma_aligned_col_major_sf
+    zero_copy: bool = False  # combine input written into get_next_low_latency_combine_buffer
+
+    def options(self) -> dict[str, Any]:
+        """The low_latency_dispatch keywords of this case beyond fp8 and mode."""
+        return {
+            "recv_layout": self.recv_layout,
+            "round_scale": self.round_scale,
+            "use_ue8m0": self.use_ue8m0,
+            "use_tma_aligned_col_major_sf": self.col_major,
+        }
+
+    def describe(self) -> str:
+        flags = [name for name in ("round_scale", "use_ue8m0", "col_major", "zero_copy") if getattr(self, name)]
+        return " ".join([self.recv_layout, *flags])
 
 
-# T in {0, 1, 17, T_ll}, T_ll in {128, 256}, H in {2048, 4096, 7168}, K in {1, 8}, E in {R, 64, 288}.
+# T in {0, 1, 17, T_ll}, T_ll in {128, 256}, H in {2048, 4096, 7168}, K in {1, 8}, E in {R, 64, 288};
+# compact (default) and per-source rows; fp32 row / column-major, power-of-two and UE8M0 scales.
 SPECS: list[tuple[BufferSpec, list[Case]]] = [
     (
         BufferSpec("E288_H7168", 128, 7168, 288, 8),
@@ -64,6 +84,11 @@ SPECS: list[tuple[BufferSpec, list[Case]]] = [
             Case(17, False, "async"),
             Case(128, True, "direct", hot_expert=True),
             Case(17, True, "direct", num_topk=1),
+            Case(128, True, "hook", round_scale=True, use_ue8m0=True, col_major=True),
+            Case(17, True, "direct", round_scale=True),
+            Case(128, True, "async", col_major=True, zero_copy=True),
+            Case(128, True, "direct", recv_layout="per_source"),
+            Case(17, False, "hook", recv_layout="per_source", zero_copy=True),
         ],
     ),
     (
@@ -76,6 +101,8 @@ SPECS: list[tuple[BufferSpec, list[Case]]] = [
             Case(256, False, "hook"),
             Case(256, False, "direct", hot_expert=True),
             Case(17, False, "hook", num_topk=1),
+            Case(256, True, "direct", round_scale=True, use_ue8m0=True),
+            Case(256, True, "hook", recv_layout="per_source", round_scale=True),
         ],
     ),
     (
@@ -135,6 +162,8 @@ def _inputs_and_reference(
     seed: int,
     hot_expert: bool = False,
     uneven: bool = True,
+    recv_layout: str = "compact",
+    round_scale: bool = False,
 ) -> tuple[Inputs, Expected]:
     device = _device()
     num_experts = spec.experts(num_ranks)
@@ -154,7 +183,9 @@ def _inputs_and_reference(
     xs = [x.to(device) for x in data.x]
     idxs = [idx.to(device) for idx in data.topk_idx]
     weights = [w.to(device) for w in data.topk_weights]
-    results = ll_dispatch(xs, idxs, num_experts, spec.num_max_tokens, use_fp8=use_fp8)
+    results = ll_dispatch(
+        xs, idxs, num_experts, spec.num_max_tokens, use_fp8=use_fp8, round_scale=round_scale, recv_layout=recv_layout
+    )
     ys = []
     for dest, result in enumerate(results):
         ys.append(ll_expert_output((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
@@ -167,13 +198,17 @@ def _inputs_and_reference(
 
 @dataclass
 class Observed:
-    """Snapshot of one dispatch + combine (recv_x is a window view: copied before the next op)."""
+    """Snapshot of one dispatch + combine (per-source recv_x is a window view: copied before the
+    next op)."""
 
     recv_x: Any
     recv_count: torch.Tensor
     count_per_source: torch.Tensor
-    src_token: torch.Tensor
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    src_token: torch.Tensor  # window headers, per-source blocks
     topk_slot: torch.Tensor
+    recv_layout: str
     combined: torch.Tensor | None = None
 
 
@@ -183,32 +218,49 @@ def _snapshot(recv_x: Any, recv_count: torch.Tensor, handle: Any) -> Observed:
         copied,
         recv_count.clone(),
         handle.count_per_source.clone(),
+        handle.recv_src_info.clone(),
+        handle.recv_layout_range.clone(),
         handle.recv_src_token.clone(),
         handle.recv_topk_slot.clone(),
+        handle.recv_layout,
     )
 
 
-def _dispatch(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str) -> tuple[Any, Any, Any]:
-    recv_x, recv_count, handle, hook = ll_dispatch_call(buffer, inputs.x, inputs.topk_idx, use_fp8, mode)
+def _dispatch(
+    buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str, **options: Any
+) -> tuple[Any, Any, Any]:
+    recv_x, recv_count, handle, hook = ll_dispatch_call(buffer, inputs.x, inputs.topk_idx, use_fp8, mode, **options)
     if hook is not None:
         with NoHostSync():
             hook()
     return recv_x, recv_count, handle
 
 
-def _combine(buffer: Any, y: torch.Tensor, inputs: Inputs, handle: Any, mode: str, out: Any = None) -> torch.Tensor:
-    combined, hook = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, mode, out)
+def _combine(
+    buffer: Any, y: torch.Tensor, inputs: Inputs, handle: Any, mode: str, out: Any = None, **options: Any
+) -> torch.Tensor:
+    combined, hook = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, mode, out, **options)
     if hook is not None:
         with NoHostSync():
             hook()
     return combined
 
 
-def _round_trip(buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str) -> Observed:
-    recv_x, recv_count, handle = _dispatch(buffer, spec, inputs, use_fp8, mode)
+def _round_trip(
+    buffer: Any, spec: BufferSpec, inputs: Inputs, use_fp8: bool, mode: str, case: Case | None = None
+) -> Observed:
+    options = case.options() if case is not None else {}
+    recv_x, recv_count, handle = _dispatch(buffer, spec, inputs, use_fp8, mode, **options)
     observed = _snapshot(recv_x, recv_count, handle)
     out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
-    observed.combined = _combine(buffer, ll_expert_output(recv_x, use_fp8), inputs, handle, mode, out=out)
+    y = ll_expert_output(recv_x, use_fp8)
+    combine_options: dict[str, Any] = {}
+    if case is not None and case.zero_copy:
+        # DeepEP's zero-copy combine: expert outputs written into the buffer's own tensor.
+        staging = buffer.get_next_low_latency_combine_buffer(handle)
+        staging.copy_(y)
+        y, combine_options = staging, {"zero_copy": True}
+    observed.combined = _combine(buffer, y, inputs, handle, mode, out=out, **combine_options)
     if observed.combined.data_ptr() != out.data_ptr():
         raise AssertionError("low_latency_combine(out=...) did not return the given tensor")
     return observed
@@ -236,12 +288,20 @@ def _compare(label: str, observed: Observed, expected: Expected, use_fp8: bool) 
 
     check("recv_count", observed.recv_count, mine["count"])
     check("count_per_source", observed.count_per_source, mine["count_per_source"])
-    check("src_token", observed.src_token.long(), mine["src_token"], valid)
-    check("topk_slot", observed.topk_slot.long(), mine["topk_slot"], valid)
+    check("recv_src_info", observed.src_info.long(), mine["src_token"], valid)
+    check("recv_layout_range", observed.layout_range, mine["layout_range"])
+    if observed.recv_layout == "per_source":  # the window headers are per-source blocks
+        check("src_token", observed.src_token.long(), mine["src_token"], valid)
+        check("topk_slot", observed.topk_slot.long(), mine["topk_slot"], valid)
     if use_fp8:
         fp8, scales = observed.recv_x
         check("recv_x fp8", fp8, mine["x"], valid)
-        check("recv_x scales", scales, mine["x_scales"], valid)
+        if scales.dtype == torch.int32:  # UE8M0 words of the reference's power-of-two scales
+            actual, wanted = scales[valid], pack_ue8m0(mine["x_scales"][valid])
+            if not torch.equal(actual, wanted):
+                failures.append(f"{label}: recv_x UE8M0 scales differ ({int((actual != wanted).sum())} words)")
+        else:
+            check("recv_x scales", scales, mine["x_scales"], valid)
     else:
         check("recv_x bf16", observed.recv_x, mine["x"], valid)
     if observed.combined is not None:
@@ -267,17 +327,26 @@ def _reference_cases(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, c
         num_topk = case.num_topk or spec.topk(num_ranks)
         label = (
             f"{spec.name} T<={case.num_tokens} K={num_topk} {'fp8' if case.use_fp8 else 'bf16'} {case.mode}"
-            f"{' hot' if case.hot_expert else ''}"
+            f"{' hot' if case.hot_expert else ''} {case.describe()}"
         )
         seed = 1000 * (SPECS.index((spec, cases)) + 1) + index
         inputs, expected = _inputs_and_reference(
-            rank, num_ranks, spec, case.num_tokens, num_topk, case.use_fp8, seed, case.hot_expert
+            rank,
+            num_ranks,
+            spec,
+            case.num_tokens,
+            num_topk,
+            case.use_fp8,
+            seed,
+            case.hot_expert,
+            recv_layout=case.recv_layout,
+            round_scale=case.round_scale,
         )
-        observed = _round_trip(buffer, spec, inputs, case.use_fp8, case.mode)
+        observed = _round_trip(buffer, spec, inputs, case.use_fp8, case.mode, case)
         failures = _compare(label, observed, expected, case.use_fp8)
         if case.mode != "direct":
             # The same inputs once more without hook/event: the modes must agree bit for bit.
-            direct = _round_trip(buffer, spec, inputs, case.use_fp8, "direct")
+            direct = _round_trip(buffer, spec, inputs, case.use_fp8, "direct", case)
             failures += _compare(f"{label} (direct rerun)", direct, expected, case.use_fp8)
         results[label] = failures
         del inputs, expected, observed
@@ -358,8 +427,14 @@ def _bad_inputs(buffer: Any, spec: BufferSpec) -> dict:
         ),
         "num_experts_mismatch": lambda: dispatch(x, idx, cap, num_experts + buffer.num_ranks),
         "cap_mismatch": lambda: dispatch(x, idx, cap + 1, num_experts),
-        "round_scale": lambda: dispatch(x, idx, cap, num_experts, round_scale=True),
-        "use_ue8m0": lambda: dispatch(x, idx, cap, num_experts, use_ue8m0=True),
+        "round_scale_bf16": lambda: dispatch(x, idx, cap, num_experts, use_fp8=False, round_scale=True),
+        "use_ue8m0_without_round_scale": lambda: dispatch(x, idx, cap, num_experts, use_ue8m0=True),
+        "col_major_per_source": lambda: dispatch(
+            x, idx, cap, num_experts, recv_layout="per_source", use_tma_aligned_col_major_sf=True
+        ),
+        "stats_dtype": lambda: dispatch(
+            x, idx, cap, num_experts, cumulative_local_expert_recv_stats=torch.zeros(1, device=device)
+        ),
         "async_and_hook": lambda: dispatch(x, idx, cap, num_experts, async_finish=True, return_recv_hook=True),
     }
     return {name: _capture(call) for name, call in calls.items()}
@@ -369,7 +444,13 @@ def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec
     inputs, _ = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 91, uneven=False)
     combine = buffer.low_latency_combine
     calls = {
-        "zero_copy": lambda y, handle: combine(y, inputs.topk_idx, inputs.topk_weights, handle, zero_copy=True),
+        "wait_stats_dtype": lambda y, handle: combine(
+            y,
+            inputs.topk_idx,
+            inputs.topk_weights,
+            handle,
+            combine_wait_recv_cost_stats=torch.zeros(buffer.num_ranks, dtype=torch.int32, device=y.device),
+        ),
         "x_shape": lambda y, handle: combine(y[:, :-1], inputs.topk_idx, inputs.topk_weights, handle),
         "weights_dtype": lambda y, handle: combine(y, inputs.topk_idx, inputs.topk_weights.double(), handle),
         "out_shape": lambda y, handle: combine(
@@ -395,6 +476,49 @@ def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec
         "after refused combines", _round_trip(buffer, spec, inputs, True, "direct"), expected, True
     )
     return results
+
+
+def _stats(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str]:
+    """DeepEP's statistics tensors: received tokens per local expert accumulate across calls (hook
+    mode included); the wait-cost tensors only ever grow, and some wait is always measured."""
+    num_topk = spec.topk(num_ranks)
+    device = _device()
+    num_local = buffer.num_experts // num_ranks
+    received = torch.full((num_local,), 5, dtype=torch.int32, device=device)
+    dispatch_wait = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    combine_wait = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    expected_received = received.clone()
+    failures = []
+    for index, mode in enumerate(("direct", "hook")):
+        inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, True, 96 + index)
+        before = dispatch_wait.clone()
+        recv_x, recv_count, handle = _dispatch(
+            buffer,
+            spec,
+            inputs,
+            True,
+            mode,
+            cumulative_local_expert_recv_stats=received,
+            dispatch_wait_recv_cost_stats=dispatch_wait,
+        )
+        expected_received += expected.dispatch["count"]
+        combine_before = combine_wait.clone()
+        combined = _combine(
+            buffer,
+            ll_expert_output(recv_x, True),
+            inputs,
+            handle,
+            mode,
+            combine_wait_recv_cost_stats=combine_wait,
+        )
+        if not torch.equal(received, expected_received):
+            failures.append(f"{mode}: cumulative recv stats {received.tolist()} != {expected_received.tolist()}")
+        for name, now, then in (("dispatch", dispatch_wait, before), ("combine", combine_wait, combine_before)):
+            if bool((now < then).any()) or int((now - then).sum()) <= 0:
+                failures.append(f"{mode}: {name} wait cost did not grow: {then.tolist()} -> {now.tolist()}")
+        if not torch.equal(_bits(combined), _bits(expected.combined)):
+            failures.append(f"{mode}: combine with stats differs from the reference")
+    return failures
 
 
 def _invalid_expert(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
@@ -500,6 +624,7 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
                 _guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
                 results["bad_combine"] = _bad_combine_inputs(buffer, rank, num_ranks, spec)
                 results["invalid_expert"] = _invalid_expert(buffer, rank, num_ranks, spec)
+                results["stats"] = _stats(buffer, rank, num_ranks, spec)
                 results["interleave"] = _interleave_with_high_throughput(buffer, rank, num_ranks, spec)
         finally:
             buffer.destroy()
@@ -587,8 +712,10 @@ def test_bad_dispatch_inputs_raise_value_error_naming_the_rule(ll_results: list[
         "topk_too_wide": "top-k",
         "num_experts_mismatch": "num_experts",
         "cap_mismatch": "num_max_dispatch_tokens_per_rank",
-        "round_scale": "not implemented",
-        "use_ue8m0": "not implemented",
+        "round_scale_bf16": "needs use_fp8=True",
+        "use_ue8m0_without_round_scale": "needs round_scale=True",
+        "col_major_per_source": "needs recv_layout='compact'",
+        "stats_dtype": "cumulative_local_expert_recv_stats must be a contiguous int32",
         "async_and_hook": "cannot be combined",
     }
     for rank, result in enumerate(ll_results):
@@ -607,7 +734,7 @@ def test_bad_combine_inputs_raise_value_error(ll_results: list[dict]) -> None:
         for name, (kind, message) in bad.items():
             # A wrong kind of object is a TypeError; wrong values of the right kind are ValueErrors.
             assert kind == ("TypeError" if name == "not_a_handle" else "ValueError"), (rank, name, kind, message)
-        assert "not implemented" in bad["zero_copy"][1]
+        assert "combine_wait_recv_cost_stats must be a contiguous int64" in bad["wait_stats_dtype"][1]
         # Every refusal was an LL operation on every rank (taken part in without data).
         assert stale_kind == "RuntimeError" and "stale" in stale_message, (rank, stale_kind, stale_message)
         assert not failures_after, f"rank {rank}: " + "\n".join(failures_after)
@@ -618,6 +745,11 @@ def test_invalid_expert_id_is_reported_and_the_buffer_stays_usable(ll_results: l
         kind, message = result["invalid_expert"]["after_dispatch"]
         assert kind == "ValueError" and "outside" in message, (rank, kind, message)
         assert not result["invalid_expert"]["failures"], result["invalid_expert"]["failures"]
+
+
+def test_recv_and_wait_cost_stats_accumulate(ll_results: list[dict]) -> None:
+    failures = _all_failures(ll_results, "stats")
+    assert not failures, "\n".join(failures)
 
 
 def test_interleaving_with_high_throughput_keeps_low_latency_results(ll_results: list[dict]) -> None:
