@@ -1,16 +1,33 @@
-"""``Buffer``: DeepEP V1's high-throughput API as a thin layer over one ``ElasticBuffer``.
+"""``Buffer``: DeepEP V1's API as a thin layer over ``ElasticBuffer`` (one for the high-throughput
+calls, a second for the low-latency ones).
 
 Clients written for DeepEP V1 (``deep_ep.Buffer``) switch by changing an import. Every data movement
-is the core's (``ElasticBuffer.dispatch`` / ``combine``); this module only translates arguments,
-sizes and return values:
+is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch`` /
+``low_latency_combine``); this module only translates arguments, sizes and return values:
 
 * **Sizing.** V1 clients pass byte budgets (``num_nvl_bytes``, ``num_rdma_bytes``), not a token cap.
-  The window's HT region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB
-  (:func:`window_num_bytes`). Each call's token cap ``T_max`` is the *capacity* of that region for
-  the call's shape: the largest ``T_max`` whose dispatch and combine footprints (the core's geometry,
+  The HT window's region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB
+  (:func:`window_num_bytes`); with ``low_latency_mode=True`` it is ``num_nvl_bytes`` alone and
+  ``num_rdma_bytes`` is the budget of the low-latency window (deep_ep.config's hints size them that
+  way). Each HT call's token cap ``T_max`` is the *capacity* of that region for the call's shape:
+  the largest ``T_max`` whose dispatch and combine footprints (the core's geometry,
   ``_C.high_throughput_layout``) fit (:func:`token_capacity`). It depends only on the group, the
   region and ``(H, K, fp8)``, so it is the same on every rank, and every rank may pass its own
   ``T <= T_max``. A larger ``T`` raises :class:`deep_ep.BufferTooSmallError` naming the bytes needed.
+* **Low latency** (``low_latency_mode=True``). The core sizes its LL region from
+  ``(num_max_dispatch_tokens_per_rank, hidden, num_experts)``, which V1 clients only pass to the
+  first ``low_latency_dispatch``. That first call (collective, like every LL call) therefore builds
+  a second ``ElasticBuffer`` over the same group holding only the LL region, sized exactly for the
+  call's ``(T_ll, H, E)`` (``get_low_latency_rdma_size_hint``, top-k ``min(32, E)``); it raises
+  ``BufferTooSmallError`` on every rank when that exceeds ``num_rdma_bytes``, and ``RuntimeError``
+  inside CUDA-graph capture (building a window allocates and exchanges handles: make the first LL
+  call eagerly, then capture). Later calls must pass the same ``(T_ll, H, E)`` (``ValueError``
+  naming both). Results are V1's: rows of each local expert packed in ``[0, recv_count)``, fp8
+  scales column-major, a 5-entry handle (:class:`LowLatencyDispatchHandle`), an ``EventOverlap``
+  always. Differences: rows of an expert are ordered by (source rank, source token), V1's by
+  arrival; ``clean_low_latency_buffer`` cleans nothing (the core's LL signals are epoch-tagged and
+  never need cleaning) but builds the LL window when no LL call did yet; ``zero_copy`` changes nothing (combine always reads ``x``
+  in place); ``use_logfmt`` and the rank masks are not provided.
 * **Results with V1's meanings.** ``recv_topk_idx`` holds local expert ids and -1 elsewhere; the
   weights of -1 slots are zeroed (the core forwards all K). With ``num_worst_tokens > 0`` there is no
   CPU sync: outputs have exactly ``num_worst_tokens`` rows, rows past the received count have
@@ -26,16 +43,18 @@ sizes and return values:
   comm stream (whatever ``allocate_on_comm_stream`` says) and handed to the caller's stream with
   ``record_stream``: memory the caller's stream freed is never reused while that stream may still
   use it (the core does the same).
-* **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): low-latency mode
-  and every ``low_latency_*`` call (they need the compact receive rows of :data:`LOW_LATENCY_ISSUE`),
-  ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``, ``comm``, and a dispatch without ``topk_idx``.
+* **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): ``allow_mnnvl``,
+  ``use_fabric``, ``enable_shrink`` and the ``low_latency_*_mask_buffer`` calls (rank masking,
+  :data:`RANK_MASKING_ISSUE`), ``comm``, ``use_logfmt``, and a dispatch without ``topk_idx``.
   Accepted without effect: ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` (no RDMA
-  queue pairs exist here; the LL path is not served) and the chunk sizes of a V1 ``Config`` (V1's
-  ring-buffer tuning; only ``config.num_sms`` maps onto the core).
+  queue pairs exist here; every LL peer is load/store reachable) and the chunk sizes of a V1
+  ``Config`` (V1's ring-buffer tuning; only ``config.num_sms`` maps onto the core).
 
 Failure semantics are the core's (docs/api.md, "When something goes wrong"): when this layer refuses
 a call's arguments it first takes part in the operation without data, like the core does, so the
-peers never wait for this rank, then raises.
+peers never wait for this rank, then raises. The first ``low_latency_dispatch`` agrees with its
+peers before building anything (one exchange over the group): when any rank's arguments fail, every
+rank raises (the failing ones their own error, the others ``PeerInputError`` naming them).
 """
 
 from __future__ import annotations
@@ -54,19 +73,22 @@ import torch.distributed as dist
 
 from deep_ep import _C
 from deep_ep.buffer import ElasticBuffer
-from deep_ep.errors import BufferTooSmallError
+from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
+from deep_ep.low_latency import LowLatencyHandle
 from deep_ep.window import window_tensor
 
 __all__ = [
-    "LOW_LATENCY_ISSUE",
+    "RANK_MASKING_ISSUE",
     "Buffer",
     "DispatchHandle",
+    "LowLatencyDispatchHandle",
     "bytes_for_tokens",
     "check_unbacked_options",
     "dispatch_layout",
     "fit_rows",
+    "low_latency_window_bytes",
     "mask_rows_past",
     "sass_architectures",
     "token_capacity",
@@ -75,7 +97,7 @@ __all__ = [
     "zero_foreign_weights",
 ]
 
-LOW_LATENCY_ISSUE = "issue 11 §3b (compact low-latency receive rows)"
+RANK_MASKING_ISSUE = "issue 11 §5 (rank masking)"
 
 # V1's default SM count for HT kernels (Buffer.num_sms); set_num_sms changes it for every buffer.
 _V1_DEFAULT_NUM_SMS = 20
@@ -88,19 +110,12 @@ _MAX_CAPACITY = 1 << 40
 
 def check_unbacked_options(
     *,
-    low_latency_mode: bool = False,
     allow_mnnvl: bool = False,
     use_fabric: bool = False,
     enable_shrink: bool = False,
     comm: Any = None,
 ) -> None:
     """Raise NotImplementedError naming the first V1 constructor option the core does not back."""
-    if low_latency_mode:
-        raise NotImplementedError(
-            "Buffer(low_latency_mode=True) is not implemented: the V1 low-latency calls need the compact "
-            f"receive rows of {LOW_LATENCY_ISSUE}; use deep_ep.ElasticBuffer's low_latency_dispatch / "
-            "low_latency_combine (their own layout, docs/api.md) until then"
-        )
     if allow_mnnvl:
         raise NotImplementedError(
             "Buffer(allow_mnnvl=True) is not implemented: multi-node NVLink domains (ranks of several hosts "
@@ -114,7 +129,7 @@ def check_unbacked_options(
     if enable_shrink:
         raise NotImplementedError(
             "Buffer(enable_shrink=True) is not implemented: the low-latency rank masks (shrinking a group around "
-            "failed ranks) do not exist here; a failed peer raises CommTimeoutError naming it"
+            f"failed ranks, {RANK_MASKING_ISSUE}) do not exist here; a failed peer raises CommTimeoutError naming it"
         )
     if comm is not None:
         raise NotImplementedError(
@@ -133,9 +148,22 @@ def window_num_bytes(num_nvl_bytes: int, num_rdma_bytes: int) -> int:
     """``num_bytes`` of the ElasticBuffer behind ``Buffer(group, num_nvl_bytes, num_rdma_bytes)``: the
     window whose HT region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB, plus the 2 MiB
     workspace (no low-latency region). The two budgets are pooled: the core has one HT region in
-    both topologies (hybrid mode keeps its scale-out staging inside it)."""
+    both topologies (hybrid mode keeps its scale-out staging inside it). With ``low_latency_mode``
+    the Buffer passes ``num_rdma_bytes=0`` here: that budget holds the LL window
+    (:func:`low_latency_window_bytes`)."""
     total = _non_negative_int("num_nvl_bytes", num_nvl_bytes) + _non_negative_int("num_rdma_bytes", num_rdma_bytes)
     return int(_C.window_layout(total, 0)["total_bytes"])
+
+
+def low_latency_window_bytes(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
+    """Bytes of the LL-only ElasticBuffer a V1 ``Buffer(low_latency_mode=True)`` builds at its first
+    ``low_latency_dispatch`` (workspace included, top-k ``min(32, E)``): what ``num_rdma_bytes``
+    must hold. Equal to ``Buffer.get_low_latency_rdma_size_hint``. Invalid sizes raise ValueError."""
+    return int(
+        ElasticBuffer.get_low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    )
 
 
 def bytes_for_tokens(
@@ -519,6 +547,47 @@ class DispatchHandle:
         )
 
 
+class LowLatencyDispatchHandle(tuple):
+    """What ``Buffer.low_latency_dispatch`` returns as ``handle``: V1's tuple
+    ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``, carrying the
+    core's ``LowLatencyHandle`` as ``.core``. Pass it back to ``low_latency_combine`` and
+    ``get_next_low_latency_combine_buffer``.
+
+    A real tuple (``len == 5``, indexable, unpackable). ``[0]`` ``src_info`` int32 ``[L, R * T_ll]``:
+    the source rank's token index of each row of ``recv_x``; ``[1]`` ``layout_range`` int64
+    ``[L, R]``: ``(first row << 32) | count`` of each source rank's rows of each local expert. Both
+    are the core's tensors (``recv_src_info``, ``recv_layout_range``), written by the dispatch's
+    receive phase (valid once it ran: after the hook, the event, or the call); rows past
+    ``recv_count`` are undefined, as in V1. Rows of a local expert are ordered by (source rank,
+    source token), so source ``s``'s block is ``[begin_s, begin_s + count_s)`` with ``begin_s`` the
+    sum of the earlier sources' counts (V1: the same block structure, rows within a block in arrival
+    order). A tuple V1 code builds itself is not accepted back (it lacks the core's handle).
+    """
+
+    core: LowLatencyHandle
+
+    def __new__(cls, core: LowLatencyHandle) -> LowLatencyDispatchHandle:
+        entries = (
+            core.recv_src_info,
+            core.recv_layout_range,
+            core.num_max_dispatch_tokens_per_rank,
+            core.hidden,
+            core.num_experts,
+        )
+        handle = super().__new__(cls, entries)
+        handle.core = core
+        return handle
+
+    def __getnewargs__(self) -> tuple[LowLatencyHandle]:  # copy / pickle rebuild from the core handle
+        return (self.core,)
+
+    def __repr__(self) -> str:
+        return (
+            f"LowLatencyDispatchHandle(num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
+            f"num_experts={self[4]}, src_info={_describe(self[0])}, layout_range={_describe(self[1])})"
+        )
+
+
 # --------------------------------------------------------------------------------------- streams
 
 
@@ -553,21 +622,37 @@ class _Streams:
 
 
 class Buffer:
-    """DeepEP V1's ``deep_ep.Buffer`` (high-throughput calls) over one :class:`deep_ep.ElasticBuffer`.
+    """DeepEP V1's ``deep_ep.Buffer`` over :class:`deep_ep.ElasticBuffer`: one for the high-throughput
+    calls, built here, and with ``low_latency_mode=True`` a second one for the low-latency calls,
+    built by the first ``low_latency_dispatch``.
 
-    Construction is collective over ``group`` (a torch.distributed process group); the window is
-    :func:`window_num_bytes` bytes. ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` are
-    accepted and recorded (no RDMA queue pairs here; no V1 low-latency path). ``low_latency_mode``,
-    ``allow_mnnvl``, ``use_fabric``, ``enable_shrink`` and ``comm`` raise NotImplementedError before
-    anything is allocated (:func:`check_unbacked_options`).
+    Construction is collective over ``group`` (a torch.distributed process group). The HT window is
+    ``window_num_bytes(num_nvl_bytes, num_rdma_bytes)`` bytes, or ``window_num_bytes(num_nvl_bytes, 0)``
+    with ``low_latency_mode=True``: then ``num_rdma_bytes`` is the budget of the LL window, which must
+    hold ``Buffer.get_low_latency_rdma_size_hint(T_ll, H, R, E)`` for the ``(T_ll, H, E)`` of the
+    first ``low_latency_dispatch`` (a V1 client sizes ``num_rdma_bytes`` with that hint). The LL
+    window holds exactly that many bytes, not ``num_rdma_bytes``. The first ``low_latency_dispatch``
+    is collective beyond the call itself (it agrees with its peers and builds the window): it must
+    run on every rank, outside CUDA-graph capture (RuntimeError there); later LL calls may be
+    captured.
+
+    ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` are accepted and recorded (no RDMA
+    queue pairs here; LL peers are load/store reachable). ``allow_mnnvl``, ``use_fabric``,
+    ``enable_shrink`` and ``comm`` raise NotImplementedError before anything is allocated
+    (:func:`check_unbacked_options`).
 
     ``explicitly_destroy`` as V1: True means the caller releases the buffer with :meth:`destroy`
-    (collective: a closing barrier through the window makes sure no peer still uses it, then it is
-    freed); False means the window is freed when the buffer is garbage-collected (without that
+    (collective: a closing barrier through each window makes sure no peer still uses it, then it is
+    freed); False means the windows are freed when the buffer is garbage-collected (without that
     barrier) and :meth:`destroy` refuses, as V1's does.
     """
 
     num_sms: int = _V1_DEFAULT_NUM_SMS
+    # Class defaults, so that a partly built Buffer (failed construction) still answers destroy() and
+    # the low-latency calls with the right error.
+    low_latency_mode: bool = False
+    _ll_core: ElasticBuffer | None = None
+    _ll_sizing: tuple[int, int, int] | None = None
 
     def __init__(
         self,
@@ -585,20 +670,21 @@ class Buffer:
     ) -> None:
         self._core: ElasticBuffer | None = None
         check_unbacked_options(
-            low_latency_mode=low_latency_mode,
             allow_mnnvl=allow_mnnvl,
             use_fabric=use_fabric,
             enable_shrink=enable_shrink,
             comm=comm,
         )
-        num_bytes = window_num_bytes(num_nvl_bytes, num_rdma_bytes)
+        num_bytes = window_num_bytes(num_nvl_bytes, num_rdma_bytes)  # checks both budgets
+        if low_latency_mode:
+            num_bytes = window_num_bytes(num_nvl_bytes, 0)  # num_rdma_bytes is the LL window's budget
         _non_negative_int("num_qps_per_rank", num_qps_per_rank)
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = low_latency_mode
+        self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
@@ -643,7 +729,8 @@ class Buffer:
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
-        """V1's low-latency size hint (deep_ep.config); the V1 low-latency calls themselves are not served."""
+        """Exact bytes of the LL window the first ``low_latency_dispatch`` with these sizes builds (workspace
+        included, top-k ``min(32, E)``; deep_ep.config): pass at least this as ``num_rdma_bytes``."""
         return _config_function("get_low_latency_rdma_size_hint")(
             num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
         )
@@ -745,9 +832,11 @@ class Buffer:
             self.group_size, self._num_scaleup_ranks(), max(num_tokens, 1), hidden, num_topk, use_fp8
         )
         available = self._ht_region_bytes()
+        # With low_latency_mode, num_rdma_bytes belongs to the LL window.
+        budget = "num_nvl_bytes" if self.low_latency_mode else "num_nvl_bytes + num_rdma_bytes"
         return BufferTooSmallError(
             f"dispatch of T={num_tokens} tokens (H={hidden}, K={num_topk}, {'fp8' if use_fp8 else 'bf16'}) on "
-            f"{self.group_size} ranks needs num_nvl_bytes + num_rdma_bytes >= {needed}; this Buffer's "
+            f"{self.group_size} ranks needs {budget} >= {needed}; this Buffer's "
             f"{available} bytes (num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes}) hold at "
             f"most {capacity} tokens per rank for this shape",
             needed_bytes=needed,
@@ -1052,12 +1141,20 @@ class Buffer:
     ) -> torch.Tensor:
         """A view of this rank's window: the "NVL buffer" is the first ``num_nvl_bytes`` of the HT
         region, the "RDMA buffer" the ``num_rdma_bytes`` after it (the two budgets are pooled into that
-        region). ``offset`` in bytes; without ``size`` the view runs to the end of the chosen part,
-        with ``size`` it is the first ``prod(size)`` elements viewed as ``size``. The bytes are the HT
-        receive slots: every dispatch and combine overwrites them."""
+        region). With ``low_latency_mode`` the "RDMA buffer" is the LL region of the low-latency window
+        instead (its exact size, at most ``num_rdma_bytes``; RuntimeError before the first
+        ``low_latency_dispatch`` built it). ``offset`` in bytes; without ``size`` the view runs to the
+        end of the chosen part, with ``size`` it is the first ``prod(size)`` elements viewed as
+        ``size``. The bytes are receive slots: every dispatch and combine (of that kind) overwrites
+        them."""
         core = self._usable_core()
-        part_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        part_offset = self.num_nvl_bytes if use_rdma_buffer else 0
+        if use_rdma_buffer and self.low_latency_mode:
+            core = self._usable_ll_core("get_local_buffer_tensor(use_rdma_buffer=True)")
+            part_bytes, part_start = int(core._window["ll_bytes"]), int(core._window["ll_offset"])
+        elif use_rdma_buffer:
+            part_bytes, part_start = self.num_rdma_bytes, core._window["ht_offset"] + self.num_nvl_bytes
+        else:
+            part_bytes, part_start = self.num_nvl_bytes, core._window["ht_offset"]
         element = torch.empty((), dtype=dtype).element_size()
         _non_negative_int("offset", offset)
         if offset > part_bytes:
@@ -1074,48 +1171,360 @@ class Buffer:
                     f"offset {offset}"
                 )
             num_elements = wanted
-        start = core._window["ht_offset"] + part_offset + offset
+        start = part_start + offset
         flat = window_tensor(core._runtime, core.local_window_base(), start, (num_elements,), dtype, core._torch_device)
         return flat.view(tuple(size)) if size is not None else flat
 
     def destroy(self) -> None:
-        """Free the window (collective: every rank calls it). V1's rule: only for buffers built with
-        ``explicitly_destroy=True``."""
+        """Free the windows, the low-latency one (when built) then the high-throughput one (collective:
+        every rank calls it). V1's rule: only for buffers built with ``explicitly_destroy=True``."""
         if not self.explicitly_destroy:
             raise RuntimeError(
                 "destroy() is for buffers built with explicitly_destroy=True (V1's rule); this one frees its "
                 "window when it is garbage-collected"
             )
         core, self._core = self._core, None
-        if core is not None:
-            core.destroy()
+        ll_core, self._ll_core = self._ll_core, None
+        try:
+            if ll_core is not None:
+                ll_core.destroy()
+        finally:
+            if core is not None:
+                core.destroy()
 
-    # ------------------------------------------------------------------ low latency (not served)
+    # ------------------------------------------------------------------ low latency
 
-    def _low_latency(self, name: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"Buffer.{name} is not implemented: the V1 low-latency calls need the compact receive rows of "
-            f"{LOW_LATENCY_ISSUE} (V1's masked grouped GEMMs read rows [0, recv_count) of each expert); "
-            "deep_ep.ElasticBuffer.low_latency_dispatch / low_latency_combine use their own layout (docs/api.md)"
+    @property
+    def low_latency_sizing(self) -> tuple[int, int, int] | None:
+        """``(num_max_dispatch_tokens_per_rank, hidden, num_experts)`` the low-latency window was built
+        for by the first ``low_latency_dispatch``; None before it."""
+        return self._ll_sizing
+
+    def _require_low_latency_mode(self, operation: str) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError(
+                f"Buffer.{operation} needs a Buffer built with low_latency_mode=True (V1 asserts the same); this "
+                "one has no low-latency window (its num_rdma_bytes went to the high-throughput window)"
+            )
+
+    def _usable_ll_core(self, operation: str) -> ElasticBuffer:
+        """The low-latency ElasticBuffer, usable; RuntimeError when there is none (yet)."""
+        self._usable_core()
+        self._require_low_latency_mode(operation)
+        core = self._ll_core
+        if core is None:
+            raise RuntimeError(
+                f"Buffer.{operation} needs the low-latency window, which the first low_latency_dispatch builds; "
+                "no low_latency_dispatch ran on this Buffer yet"
+            )
+        core._ensure_usable()
+        core._check_fatal_errors()
+        return core
+
+    def _check_low_latency_sizing(self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any) -> tuple:
+        """``(T_ll, H, E)`` of a first ``low_latency_dispatch``; raises TypeError / ValueError for
+        arguments that cannot size a window, BufferTooSmallError when ``num_rdma_bytes`` cannot hold it."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a tensor (bfloat16 [T, H]), got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"x must be bfloat16 [T, H], got {_describe(x)}")
+        for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("num_experts", num_experts),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        hidden = int(x.shape[1])
+        if hidden % 128 != 0:
+            raise ValueError(f"x hidden size must be a multiple of 128 (fp8 scale groups), got H={hidden}")
+        sizing = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        needed = low_latency_window_bytes(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        if needed > self.num_rdma_bytes:
+            raise BufferTooSmallError(
+                f"low_latency_dispatch with num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, "
+                f"hidden={hidden}, num_experts={num_experts} on {self.group_size} ranks needs num_rdma_bytes >= "
+                f"{needed} (Buffer.get_low_latency_rdma_size_hint({num_max_dispatch_tokens_per_rank}, {hidden}, "
+                f"{self.group_size}, {num_experts})); this Buffer has num_rdma_bytes={self.num_rdma_bytes}",
+                needed_bytes=needed,
+                available_bytes=self.num_rdma_bytes,
+            )
+        return sizing
+
+    def _exchange_low_latency_setup(self, item: Any) -> list[Any]:
+        """Every rank's ``item`` (one all-gather over the group; the first LL call only)."""
+        gathered: list[Any] = [None] * self.group_size
+        dist.all_gather_object(gathered, item, group=self.group)
+        return gathered
+
+    def _build_low_latency_core(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
+        """The LL-only ElasticBuffer (collective): no HT region, the LL region sized for these settings."""
+        return ElasticBuffer(
+            self.group,
+            None,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_experts=num_experts,
+            explicitly_destroy=self.explicitly_destroy,
         )
 
-    def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("low_latency_dispatch")
+    def _low_latency_core_for(
+        self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any, operation: str = "low_latency_dispatch"
+    ) -> ElasticBuffer:
+        """The LL core, built from this call's sizes when it does not exist yet (collective then: one
+        exchange of every rank's sizes or error, then the window; every rank raises alike)."""
+        self._usable_core()
+        self._require_low_latency_mode(operation)
+        if self._ll_core is not None:
+            return self._usable_ll_core(operation)
+        if _capturing():
+            raise RuntimeError(
+                f"the first Buffer.{operation} builds the low-latency window (an exchange over the group and an "
+                "allocation) and cannot run inside CUDA-graph capture: call clean_low_latency_buffer, or make one "
+                "low_latency_dispatch (and its combine), eagerly before capturing"
+            )
+        sizing: tuple | None = None
+        error: Exception | None = None
+        try:
+            sizing = self._check_low_latency_sizing(x, num_max_dispatch_tokens_per_rank, num_experts)
+        except Exception as caught:  # noqa: BLE001 - whatever it is, the peers must hear of it (no hang)
+            error = caught
+        report = None if error is None else (type(error).__name__, str(error))
+        gathered = self._exchange_low_latency_setup((sizing, report))
+        failed = {rank: item[1] for rank, item in enumerate(gathered) if item[1] is not None}
+        if error is not None:
+            raise error  # every rank learnt of it; none built a window
+        if failed:
+            details = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in sorted(failed.items()))
+            raise PeerInputError(
+                f"the first low_latency_dispatch failed on rank(s) {sorted(failed)}, so no rank built the "
+                f"low-latency window or dispatched anything: {details}",
+                rank=min(failed),
+                operation="low_latency_dispatch",
+            )
+        sizings = [item[0] for item in gathered]
+        if any(other != sizing for other in sizings):
+            raise ValueError(
+                "every rank must pass the same (num_max_dispatch_tokens_per_rank, hidden, num_experts) to the first "
+                f"low_latency_dispatch (they size the low-latency window); got {sizings} (index = rank)"
+            )
+        core = self._build_low_latency_core(*sizing)
+        self._ll_core, self._ll_sizing = core, sizing
+        return core
 
-    def low_latency_combine(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("low_latency_combine")
+    def _low_latency_mismatch(self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any) -> str | None:
+        """The message for an LL call whose sizes differ from the window's, else None."""
+        sizing = self._ll_sizing
+        hidden = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+        if sizing is None or (num_max_dispatch_tokens_per_rank, hidden, num_experts) == sizing:
+            return None
+        return (
+            f"low_latency_dispatch(num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank!r}, "
+            f"hidden={hidden}, num_experts={num_experts!r}) differs from this Buffer's low-latency window, built "
+            f"by its first low_latency_dispatch for num_max_dispatch_tokens_per_rank={sizing[0]}, hidden={sizing[1]}, "
+            f"num_experts={sizing[2]}: every low-latency call of a Buffer must pass those"
+        )
 
-    def get_next_low_latency_combine_buffer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("get_next_low_latency_combine_buffer")
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyDispatchHandle, EventOverlap, Any]:
+        """V1's low-latency dispatch: ``(recv_x, recv_count, handle, event, hook)``.
 
-    def clean_low_latency_buffer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("clean_low_latency_buffer")
+        ``x`` bf16 ``[T, H]`` (``T <= num_max_dispatch_tokens_per_rank``), ``topk_idx`` int64 ``[T, K]``
+        (-1 skips a slot). ``recv_x``: ``(fp8 [L, R*T_ll, H], scales)`` with ``use_fp8``, else bf16
+        ``[L, R*T_ll, H]``, a fresh tensor; local expert ``l``'s rows are packed in
+        ``[0, recv_count[l])`` (int32 ``[L]``), ordered by (source rank, source token) (V1: by arrival);
+        later rows are undefined. Scales are column-major in the last two dims as V1's: fp32
+        ``[L, R*T_ll, H/128]`` with strides ``(G*R*T_ll, 1, R*T_ll)``; ``round_scale``: powers of two;
+        ``use_ue8m0`` (needs ``round_scale``, ``H % 512 == 0``): int32 ``[L, R*T_ll, H/512]`` of packed
+        exponent bytes. ``handle``: :class:`LowLatencyDispatchHandle`. ``event``: an EventOverlap, with
+        an event only with ``async_finish``; ``hook``: with ``return_recv_hook`` the receive phase runs
+        when it is called, else None. ``cumulative_local_expert_recv_stats`` (int32 ``[L]``) gets
+        ``recv_count`` added, ``dispatch_wait_recv_cost_stats`` (int64 ``[R]``) the clock cycles the
+        receive phase waited for each source rank (both by the receive phase). No CPU sync.
 
-    def low_latency_update_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("low_latency_update_mask_buffer")
+        The first call builds the low-latency window for ``(num_max_dispatch_tokens_per_rank, H,
+        num_experts)`` (see the class docstring: collective, not under graph capture,
+        BufferTooSmallError when ``num_rdma_bytes`` is short); later calls must pass the same values
+        (ValueError naming both, after taking part without data). Other bad arguments are the core's
+        refusals (ValueError / TypeError after taking part without data).
+        """
+        built = self._ll_core is None
+        core = self._low_latency_core_for(x, num_max_dispatch_tokens_per_rank, num_experts)
+        mismatch = None if built else self._low_latency_mismatch(x, num_max_dispatch_tokens_per_rank, num_experts)
+        try:
+            recv_x, recv_count, core_handle, event, hook = core.low_latency_dispatch(
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                use_fp8=use_fp8,
+                round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                use_tma_aligned_col_major_sf=True,  # V1's LL scales are column-major (no effect for bf16)
+                recv_layout="compact",
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+            )
+        except ValueError as error:
+            if mismatch is not None:  # the core refused after taking part without data
+                raise ValueError(mismatch) from error
+            raise
+        return recv_x, recv_count, LowLatencyDispatchHandle(core_handle), _v1_event(event), hook
 
-    def low_latency_query_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("low_latency_query_mask_buffer")
+    @staticmethod
+    def _core_ll_handle(handle: Any) -> Any:
+        return handle.core if isinstance(handle, LowLatencyDispatchHandle) else handle
 
-    def low_latency_clean_mask_buffer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._low_latency("low_latency_clean_mask_buffer")
+    @staticmethod
+    def _refuse_low_latency_combine(core: ElasticBuffer, core_handle: Any, error: Exception) -> None:
+        """Take part in the combine without data (zero rows for what a usable handle received, none
+        otherwise), as the core does for its own refusals; the caller then raises ``error``."""
+        core._ll_check_outstanding("low_latency_combine")
+        usable = isinstance(core_handle, LowLatencyHandle)
+        if usable:
+            try:
+                core._ll_check_handle(core_handle)
+            except (TypeError, ValueError, RuntimeError):
+                usable = False
+        core._ll_combine_without_input(core_handle if usable else None, error)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyDispatchHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Any]:
+        """V1's low-latency combine: ``(combined_x bf16 [T, H], event, hook)`` with
+        ``combined_x[t] = bf16(sum_k w[t, k] * y_k)`` (fp32, k ascending, -1 slots skipped).
+
+        ``x`` bf16 ``[L, R*T_ll, H]`` laid out like the dispatch's ``recv_x`` (rows ``[0, recv_count)``
+        of each expert are read); ``topk_idx`` / ``topk_weights`` those of the dispatch; ``handle`` the
+        dispatch's. ``zero_copy`` is accepted and changes nothing: combine always reads ``x`` where it
+        is, and with ``x = get_next_low_latency_combine_buffer(handle)`` no copy is made (V1: skips
+        copying ``x`` into its send buffer, which must then hold the data). ``out``: bf16 ``[T, H]``
+        to write into. ``combine_wait_recv_cost_stats`` int64 ``[R]`` gets the cycles waited per
+        source rank. ``use_logfmt=True`` raises NotImplementedError (after taking part without data).
+        ``event`` and ``hook`` as for dispatch.
+        """
+        core = self._usable_ll_core("low_latency_combine")
+        core_handle = self._core_ll_handle(handle)
+        if use_logfmt:
+            refusal = NotImplementedError(
+                "low_latency_combine(use_logfmt=True) is not implemented: V1's LogFMT (10-bit logarithmic "
+                "per-64-channel combine payload) is not provided; pass use_logfmt=False (bf16 rows)"
+            )
+            self._refuse_low_latency_combine(core, core_handle, refusal)
+            raise refusal
+        try:
+            combined, event, hook = core.low_latency_combine(
+                x,
+                topk_idx,
+                topk_weights,
+                core_handle,
+                zero_copy=zero_copy,
+                async_finish=async_finish,
+                return_recv_hook=return_recv_hook,
+                out=out,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
+            )
+        except TypeError as error:
+            if not isinstance(core_handle, LowLatencyHandle):  # the core took part without data
+                raise TypeError(
+                    f"handle must be the handle Buffer.low_latency_dispatch returned, got {type(handle).__name__}"
+                ) from error
+            raise
+        return combined, _v1_event(event), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyDispatchHandle) -> torch.Tensor:
+        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the buffer (one per parity, allocated once) for the
+        next ``low_latency_combine``: write the expert outputs into it and pass it as ``x`` (V1's
+        zero-copy pattern). Rows as in the dispatch's ``recv_x``. Not a view of the window, unlike
+        V1's; do not write it again before that combine has run (stream order)."""
+        core = self._usable_ll_core("get_next_low_latency_combine_buffer")
+        core_handle = self._core_ll_handle(handle)
+        if not isinstance(core_handle, LowLatencyHandle):
+            raise TypeError(
+                f"handle must be the handle Buffer.low_latency_dispatch returned, got {type(handle).__name__}"
+            )
+        return core.get_next_low_latency_combine_buffer(core_handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Builds the low-latency window if no LL call did yet; cleans nothing (none is ever needed).
+
+        V1 zeroes its LL signalling areas (between two barriers), needed after high-throughput kernels
+        reused its RDMA buffer. Here the LL window is its own allocation that HT calls never touch,
+        and its signal cells are tagged with the operation's epoch, so stale values are never
+        mistaken for new ones. When the window does not exist yet this call builds it for these
+        sizes, collectively like V1's clean (every rank calls it; errors as for the first
+        low_latency_dispatch) — so a client that cleans before CUDA-graph capture can capture its
+        first LL call. Once the window exists the arguments must be its sizes (ValueError naming
+        both) and the call is local. RuntimeError without ``low_latency_mode`` (V1 asserts it)."""
+        self._usable_core()
+        self._require_low_latency_mode("clean_low_latency_buffer")
+        sizing = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        for name, value in zip(("num_max_dispatch_tokens_per_rank", "hidden", "num_experts"), sizing, strict=True):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self._ll_core is None:
+            # A shape-only stand-in for x: the first-call path reads its hidden size only.
+            shape_of_x = torch.empty((0, hidden), dtype=torch.bfloat16, device="meta")
+            self._low_latency_core_for(
+                shape_of_x, num_max_dispatch_tokens_per_rank, num_experts, "clean_low_latency_buffer"
+            )
+            return
+        built = self._ll_sizing
+        if built is not None and sizing != built:
+            raise ValueError(
+                f"clean_low_latency_buffer(num_max_dispatch_tokens_per_rank={sizing[0]}, hidden={sizing[1]}, "
+                f"num_experts={sizing[2]}) differs from this Buffer's low-latency window, built by its first "
+                f"low_latency_dispatch for num_max_dispatch_tokens_per_rank={built[0]}, hidden={built[1]}, "
+                f"num_experts={built[2]}"
+            )
+
+    # ------------------------------------------------------------------ rank masking (not provided)
+
+    def _rank_masking(self, name: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"Buffer.{name} is not implemented: the low-latency rank masks (V1's enable_shrink mode, shrinking "
+            f"the group around failed ranks) are {RANK_MASKING_ISSUE}; here a failed peer raises CommTimeoutError "
+            "naming it"
+        )
+
+    def low_latency_update_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
+        raise self._rank_masking("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
+        raise self._rank_masking("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
+        raise self._rank_masking("low_latency_clean_mask_buffer")
+
+
+def _capturing() -> bool:
+    """True inside CUDA-graph capture on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _v1_event(event: Any) -> EventOverlap:
+    """V1 returns an EventOverlap from every call: the core's (async), else one holding no event."""
+    return event if isinstance(event, EventOverlap) else EventOverlap(None)

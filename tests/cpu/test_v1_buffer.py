@@ -1,26 +1,33 @@
 """The DeepEP-V1 façade ``deep_ep.v1_buffer``: everything that runs without a GPU (sizing rule,
-refused options, layout, V1 output meanings, handle indexing)."""
+refused options, layout, V1 output meanings, handle indexing, and the low-latency calls over a
+recording stand-in for the cores: lazy LL window, sizing errors, argument routing, refusals)."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import deep_ep.v1_buffer as v1_buffer
 from deep_ep import _C
-from deep_ep.errors import BufferTooSmallError
+from deep_ep.buffer import ElasticBuffer
+from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
+from deep_ep.low_latency import LowLatencyHandle
 from deep_ep.v1_buffer import (
-    LOW_LATENCY_ISSUE,
+    RANK_MASKING_ISSUE,
     Buffer,
     DispatchHandle,
+    LowLatencyDispatchHandle,
     _config_module,
     bytes_for_tokens,
     check_unbacked_options,
     dispatch_layout,
     fit_rows,
+    low_latency_window_bytes,
     mask_rows_past,
     sass_architectures,
     token_capacity,
@@ -124,10 +131,9 @@ def test_too_small_names_the_bytes_needed():
 @pytest.mark.parametrize(
     "option, value, words",
     [
-        ("low_latency_mode", True, LOW_LATENCY_ISSUE),
         ("allow_mnnvl", True, "allow_mnnvl=True"),
         ("use_fabric", True, "use_fabric=True"),
-        ("enable_shrink", True, "enable_shrink=True"),
+        ("enable_shrink", True, RANK_MASKING_ISSUE),
         ("comm", object(), "comm=object"),
     ],
 )
@@ -146,25 +152,21 @@ def test_accepted_options_and_bad_sizes():
         Buffer(None, -1)
     with pytest.raises(ValueError, match="num_qps_per_rank"):
         Buffer(None, 0, 0, False, -3)
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        Buffer(None, 0, -1, low_latency_mode=True)
+    # low_latency_mode is accepted: construction goes past the option checks (and fails on group=None).
+    with pytest.raises(AttributeError, match="rank"):
+        Buffer(None, 0, 1 << 30, low_latency_mode=True)
 
 
 @pytest.mark.parametrize(
-    "name",
-    [
-        "low_latency_dispatch",
-        "low_latency_combine",
-        "get_next_low_latency_combine_buffer",
-        "clean_low_latency_buffer",
-        "low_latency_update_mask_buffer",
-        "low_latency_query_mask_buffer",
-        "low_latency_clean_mask_buffer",
-    ],
+    "name", ["low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"]
 )
-def test_low_latency_calls_exist_and_fail_loudly(name):
+def test_rank_mask_calls_exist_and_fail_loudly(name):
     buffer = _bare_buffer()
     with pytest.raises(NotImplementedError, match=f"Buffer.{name} is not implemented") as info:
-        getattr(buffer, name)(torch.zeros(1), topk_idx=None)
-    assert LOW_LATENCY_ISSUE in str(info.value)
+        getattr(buffer, name)(0, True)
+    assert RANK_MASKING_ISSUE in str(info.value)
 
 
 def test_previous_event_is_checked_but_needs_no_allocate_on_comm_stream():
@@ -632,3 +634,447 @@ def test_v1_size_hints_leave_room_for_the_tokens_they_size_for(monkeypatch):
             assert token_capacity(num_ranks, scaleup, region, hidden, num_topk, use_fp8) >= sized_for
     Buffer.set_num_sms(24)
     assert Buffer.get_dispatch_config(8).num_sms == 24
+
+
+# ------------------------------------------------------------------------------------ low latency
+
+LL_T, LL_H, LL_E = 4, 256, 8  # num_max_dispatch_tokens_per_rank, hidden, num_experts of these tests
+
+
+def _ll_core_handle(num_ranks: int = 2, num_tokens: int = 3, sizing=(LL_T, LL_H, LL_E)) -> LowLatencyHandle:
+    """A core LowLatencyHandle as the compact dispatch returns it (CPU tensors)."""
+    cap, hidden, num_experts = sizing
+    num_local, num_slots = num_experts // num_ranks, num_ranks * cap
+    return LowLatencyHandle(
+        owner_id=1,
+        parity=0,
+        op_index=0,
+        num_tokens=num_tokens,
+        num_topk=2,
+        num_max_dispatch_tokens_per_rank=cap,
+        hidden=hidden,
+        num_experts=num_experts,
+        use_fp8=True,
+        recv_count=torch.zeros(num_local, dtype=torch.int32),
+        count_per_source=torch.zeros(num_local, num_ranks, dtype=torch.int32),
+        recv_src_token=torch.zeros(num_local, num_slots, dtype=torch.int32),
+        recv_topk_slot=torch.zeros(num_local, num_slots, dtype=torch.int32),
+        recv_layout="compact",
+        recv_src_info=torch.arange(num_local * num_slots, dtype=torch.int32).view(num_local, num_slots),
+        recv_layout_range=torch.arange(num_local * num_ranks, dtype=torch.int64).view(num_local, num_ranks),
+        received=True,
+    )
+
+
+def test_low_latency_handle_is_v1s_five_entry_tuple_carrying_the_core_handle():
+    core = _ll_core_handle()
+    handle = LowLatencyDispatchHandle(core)
+    assert isinstance(handle, tuple) and len(handle) == 5 and handle.core is core
+    assert handle[0] is core.recv_src_info and handle[1] is core.recv_layout_range
+    assert handle[2:] == (LL_T, LL_H, LL_E) and handle[-1] == LL_E
+    src_info, layout_range, cap, hidden, num_experts = handle  # V1 clients unpack it
+    assert src_info is core.recv_src_info and layout_range is core.recv_layout_range
+    assert (cap, hidden, num_experts) == (LL_T, LL_H, LL_E)
+    assert list(handle)[2:] == [LL_T, LL_H, LL_E]
+    with pytest.raises(IndexError):
+        handle[5]
+    duplicate = copy.copy(handle)
+    assert isinstance(duplicate, LowLatencyDispatchHandle) and duplicate.core is core and duplicate[0] is handle[0]
+    assert "tensor(" not in repr(handle) and "hidden=256" in repr(handle)
+
+
+class _RecordingLowLatencyCore(SimpleNamespace):
+    """Stands for deep_ep.ElasticBuffer (both the HT core built by Buffer.__init__ and the LL-only
+    core built by the first low_latency_dispatch); records how the façade uses it. Its LL calls
+    refuse sizes other than its own like the real core: after "taking part without data"."""
+
+    built: list = []
+    get_low_latency_size_hint = staticmethod(ElasticBuffer.get_low_latency_size_hint)
+
+    def __init__(self, group=None, num_bytes=None, **kwargs) -> None:
+        super().__init__(
+            group=group,
+            num_bytes=num_bytes,
+            kwargs=kwargs,
+            calls=[],
+            num_max_dispatch_tokens_per_rank=kwargs.get("num_max_dispatch_tokens_per_rank", 0),
+            hidden=kwargs.get("hidden", 0),
+            num_experts=kwargs.get("num_experts", 0),
+            num_ranks=group.size() if group is not None else 2,
+            num_scaleup_ranks=2,
+            num_scaleout_ranks=1,
+            _window={"ht_bytes": 2 * MIB, "ht_offset": _C.WORKSPACE_BYTES},
+            _max_num_sms=32,
+            stale=False,
+            destroy_error=None,
+        )
+        _RecordingLowLatencyCore.built.append(self)
+
+    def _ensure_usable(self) -> None:
+        pass
+
+    def _check_fatal_errors(self) -> None:
+        pass
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, **kwargs):
+        self.calls.append(("low_latency_dispatch", num_max_dispatch_tokens_per_rank, num_experts, kwargs))
+        if (num_max_dispatch_tokens_per_rank, x.shape[1], num_experts) != (
+            self.num_max_dispatch_tokens_per_rank,
+            self.hidden,
+            self.num_experts,
+        ):
+            self.calls.append(("dispatch without input",))
+            raise ValueError("num_max_dispatch_tokens_per_rank must equal the buffer's")
+        sizing = (self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+        handle = _ll_core_handle(self.num_ranks, x.shape[0], sizing)
+        hook = (lambda: None) if kwargs["return_recv_hook"] else None
+        event = EventOverlap("recorded", extra_tensors=(x,)) if kwargs["async_finish"] else None
+        return torch.zeros(1), handle.recv_count, handle, event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kwargs):
+        self.calls.append(("low_latency_combine", handle, kwargs))
+        if not isinstance(handle, LowLatencyHandle):
+            self.calls.append(("combine without input",))
+            raise TypeError(f"handle must be the LowLatencyHandle of a low_latency_dispatch, got {type(handle)}")
+        return torch.zeros(handle.num_tokens, self.hidden), None, None
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        self.calls.append(("get_next_low_latency_combine_buffer", handle))
+        return torch.zeros(1)
+
+    def _ll_check_outstanding(self, operation) -> None:
+        self.calls.append(("check outstanding", operation))
+
+    def _ll_check_handle(self, handle) -> None:
+        self.calls.append(("check handle", handle))
+        if self.stale:
+            raise RuntimeError("handle is stale")
+
+    def _ll_combine_without_input(self, handle, error) -> None:
+        self.calls.append(("combine without input", handle, type(error).__name__))
+
+    def destroy(self) -> None:
+        self.calls.append(("destroy",))
+        if self.destroy_error is not None:
+            raise self.destroy_error
+
+
+class _Group:
+    def __init__(self, rank: int = 0, size: int = 2) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.fixture
+def fake_cores(monkeypatch):
+    """deep_ep.v1_buffer.ElasticBuffer replaced by the recorder; the group exchange answers with this
+    rank's item for every rank unless a test sets ``peers`` (the items of the others, by rank)."""
+    _RecordingLowLatencyCore.built = []
+    monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
+    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    state = SimpleNamespace(exchanged=[], peers=None, built=_RecordingLowLatencyCore.built)
+
+    def exchange(self, item):
+        state.exchanged.append(item)
+        if state.peers is None:
+            return [item] * self.group_size
+        return [item if other is None else other for other in state.peers]
+
+    monkeypatch.setattr(Buffer, "_exchange_low_latency_setup", exchange)
+    return state
+
+
+def _ll_buffer(num_rdma_bytes: int | None = None, low_latency_mode: bool = True, num_nvl_bytes: int = 0) -> Buffer:
+    if num_rdma_bytes is None:
+        num_rdma_bytes = low_latency_window_bytes(LL_T, LL_H, 2, LL_E)
+    return Buffer(_Group(), num_nvl_bytes, num_rdma_bytes, low_latency_mode=low_latency_mode, explicitly_destroy=True)
+
+
+def _ll_inputs(num_tokens: int = 3, hidden: int = LL_H):
+    return torch.zeros(num_tokens, hidden, dtype=torch.bfloat16), torch.zeros(num_tokens, 2, dtype=torch.int64)
+
+
+def test_low_latency_mode_gives_num_rdma_bytes_to_the_ll_window(fake_cores):
+    ht_only = _ll_buffer(num_rdma_bytes=6 * MIB, low_latency_mode=False, num_nvl_bytes=3 * MIB)
+    assert ht_only._core.num_bytes == window_num_bytes(3 * MIB, 6 * MIB)  # pooled, as before
+    buffer = _ll_buffer(num_rdma_bytes=6 * MIB, num_nvl_bytes=3 * MIB)
+    assert buffer.low_latency_mode is True
+    assert buffer._core.num_bytes == window_num_bytes(3 * MIB, 0)  # the HT window gets num_nvl_bytes only
+    assert buffer._ll_core is None and buffer.low_latency_sizing is None  # built by the first LL dispatch
+    assert fake_cores.exchanged == []
+
+
+def test_ll_window_need_is_the_v1_size_hint():
+    assert low_latency_window_bytes(128, 7168, 8, 288) == Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288)
+    assert low_latency_window_bytes(LL_T, LL_H, 2, LL_E) > _C.WORKSPACE_BYTES
+
+
+def test_first_low_latency_dispatch_builds_the_ll_core_from_its_sizes(fake_cores):
+    buffer = _ll_buffer()
+    x, topk_idx = _ll_inputs()
+    stats, wait = torch.zeros(LL_E // 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E, stats, wait)
+    assert fake_cores.exchanged == [((LL_T, LL_H, LL_E), None)]
+    ht_core, ll_core = fake_cores.built
+    assert buffer._ll_core is ll_core and buffer.low_latency_sizing == (LL_T, LL_H, LL_E)
+    assert ll_core.group is buffer.group and ll_core.num_bytes is None  # exactly the LL need
+    assert ll_core.kwargs == {
+        "num_max_dispatch_tokens_per_rank": LL_T,
+        "hidden": LL_H,
+        "num_experts": LL_E,
+        "explicitly_destroy": True,
+    }
+    (call,) = ll_core.calls
+    assert call[:3] == ("low_latency_dispatch", LL_T, LL_E)
+    assert call[3] == {
+        "cumulative_local_expert_recv_stats": stats,
+        "dispatch_wait_recv_cost_stats": wait,
+        "use_fp8": True,
+        "round_scale": False,
+        "use_ue8m0": False,
+        "use_tma_aligned_col_major_sf": True,
+        "recv_layout": "compact",
+        "async_finish": False,
+        "return_recv_hook": False,
+    }
+    assert isinstance(handle, LowLatencyDispatchHandle) and handle[0] is handle.core.recv_src_info
+    assert recv_count is handle.core.recv_count
+    assert isinstance(event, EventOverlap) and event.event is None and hook is None  # V1: EventOverlap(None)
+
+    # Later calls reuse the core (no exchange) and pass the options through.
+    _, _, _, event, hook = buffer.low_latency_dispatch(
+        x, topk_idx, LL_T, LL_E, use_fp8=False, round_scale=True, use_ue8m0=True, return_recv_hook=True
+    )
+    assert len(fake_cores.exchanged) == 1 and len(fake_cores.built) == 2
+    options = ll_core.calls[-1][3]
+    assert options["use_fp8"] is False and options["round_scale"] is True and options["use_ue8m0"] is True
+    assert options["return_recv_hook"] is True and callable(hook) and event.event is None
+    _, _, _, event, _ = buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E, async_finish=True)
+    assert event.event == "recorded"  # the core's own event (with its tensors) is returned as is
+
+
+def test_too_small_num_rdma_bytes_raises_naming_the_bytes_on_every_rank(fake_cores):
+    budget = low_latency_window_bytes(LL_T, LL_H, 2, LL_E)
+    big = 4096
+    needed = low_latency_window_bytes(big, LL_H, 2, LL_E)
+    assert needed > budget
+    buffer = _ll_buffer(num_rdma_bytes=budget)
+    x, topk_idx = _ll_inputs()
+    with pytest.raises(BufferTooSmallError, match=f"num_rdma_bytes >= {needed}") as info:
+        buffer.low_latency_dispatch(x, topk_idx, big, LL_E)
+    assert info.value.needed_bytes == needed and info.value.available_bytes == budget
+    assert f"get_low_latency_rdma_size_hint({big}, {LL_H}, 2, {LL_E})" in str(info.value)
+    # The peers learnt of it through the exchange (they raise too); nothing was built.
+    assert fake_cores.exchanged == [(None, ("BufferTooSmallError", str(info.value)))]
+    assert len(fake_cores.built) == 1 and buffer._ll_core is None
+    # The sizes the budget was computed for build the window at the next call.
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    assert buffer.low_latency_sizing == (LL_T, LL_H, LL_E)
+
+
+def test_a_peer_failure_at_the_first_call_raises_peer_input_error(fake_cores):
+    buffer = _ll_buffer()
+    fake_cores.peers = [(None, ("BufferTooSmallError", "needs num_rdma_bytes >= 123")), None]
+    x, topk_idx = _ll_inputs()
+    with pytest.raises(PeerInputError, match=r"rank\(s\) \[0\].*needs num_rdma_bytes >= 123") as info:
+        buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    assert info.value.rank == 0 and info.value.operation == "low_latency_dispatch"
+    assert buffer._ll_core is None and len(fake_cores.built) == 1
+
+
+def test_ranks_disagreeing_on_the_first_sizes_all_raise(fake_cores):
+    buffer = _ll_buffer(num_rdma_bytes=1 << 30)
+    fake_cores.peers = [None, ((LL_T, LL_H, 2 * LL_E), None)]
+    x, topk_idx = _ll_inputs()
+    with pytest.raises(ValueError, match="every rank must pass the same"):
+        buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    assert buffer._ll_core is None
+
+
+@pytest.mark.parametrize(
+    "x, cap, num_experts, error, words",
+    [
+        ("not a tensor", LL_T, LL_E, TypeError, "x must be a tensor"),
+        (torch.zeros(2, 3, LL_H), LL_T, LL_E, ValueError, r"x must be bfloat16 \[T, H\]"),
+        (torch.zeros(2, LL_H), 0, LL_E, ValueError, "num_max_dispatch_tokens_per_rank must be an int >= 1"),
+        (torch.zeros(2, LL_H), LL_T, True, ValueError, "num_experts must be an int >= 1"),
+        (torch.zeros(2, 200), LL_T, LL_E, ValueError, "multiple of 128"),
+        (torch.zeros(2, LL_H), LL_T, 7, ValueError, "multiple of num_ranks"),
+    ],
+)
+def test_first_call_arguments_that_cannot_size_a_window_are_refused_after_the_exchange(
+    fake_cores, x, cap, num_experts, error, words
+):
+    buffer = _ll_buffer()
+    with pytest.raises(error, match=words):
+        buffer.low_latency_dispatch(x, torch.zeros(2, 2, dtype=torch.int64), cap, num_experts)
+    ((sizing, report),) = fake_cores.exchanged
+    assert sizing is None and report[0] == error.__name__
+    assert buffer._ll_core is None
+
+
+def test_first_call_inside_graph_capture_raises_before_anything(fake_cores, monkeypatch):
+    buffer = _ll_buffer()
+    monkeypatch.setattr(v1_buffer, "_capturing", lambda: True)
+    x, topk_idx = _ll_inputs()
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    assert fake_cores.exchanged == [] and buffer._ll_core is None
+    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    monkeypatch.setattr(v1_buffer, "_capturing", lambda: True)
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)  # once built, LL calls may be captured
+
+
+@pytest.mark.parametrize(
+    "cap, hidden, num_experts", [(LL_T + 1, LL_H, LL_E), (LL_T, 2 * LL_H, LL_E), (LL_T, LL_H, 2 * LL_E)]
+)
+def test_later_call_with_other_sizes_raises_naming_both_after_the_core_took_part(fake_cores, cap, hidden, num_experts):
+    buffer = _ll_buffer(num_rdma_bytes=1 << 30)
+    x, topk_idx = _ll_inputs()
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    x_other, _ = _ll_inputs(hidden=hidden)
+    with pytest.raises(ValueError) as info:
+        buffer.low_latency_dispatch(x_other, topk_idx, cap, num_experts)
+    message = str(info.value)
+    assert f"num_max_dispatch_tokens_per_rank={cap}, hidden={hidden}, num_experts={num_experts}" in message
+    assert f"num_max_dispatch_tokens_per_rank={LL_T}, hidden={LL_H}, num_experts={LL_E}" in message
+    assert isinstance(info.value.__cause__, ValueError)  # the core's refusal
+    ll_core = buffer._ll_core
+    assert [call[0] for call in ll_core.calls] == ["low_latency_dispatch"] * 2 + ["dispatch without input"]
+    assert len(fake_cores.exchanged) == 1
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("low_latency_dispatch", (torch.zeros(1, LL_H), torch.zeros(1, 1, dtype=torch.int64), LL_T, LL_E)),
+        ("low_latency_combine", (None, None, None, None)),
+        ("get_next_low_latency_combine_buffer", (None,)),
+        ("clean_low_latency_buffer", (LL_T, LL_H, LL_E)),
+    ],
+)
+def test_low_latency_calls_need_low_latency_mode(fake_cores, name, args):
+    buffer = _ll_buffer(low_latency_mode=False)
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        getattr(buffer, name)(*args)
+    assert fake_cores.exchanged == [] and len(fake_cores.built) == 1
+
+
+def test_combine_and_next_buffer_need_a_dispatch_first(fake_cores):
+    buffer = _ll_buffer()
+    handle = LowLatencyDispatchHandle(_ll_core_handle())
+    with pytest.raises(RuntimeError, match="no low_latency_dispatch ran"):
+        buffer.low_latency_combine(torch.zeros(1), None, None, handle)
+    with pytest.raises(RuntimeError, match="no low_latency_dispatch ran"):
+        buffer.get_next_low_latency_combine_buffer(handle)
+
+
+def test_combine_passes_the_core_handle_and_options_through(fake_cores):
+    buffer = _ll_buffer()
+    x, topk_idx = _ll_inputs()
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    y, weights, out, wait = torch.zeros(1), torch.zeros(3, 2), torch.zeros(3, LL_H), torch.zeros(2, dtype=torch.int64)
+    combined, event, hook = buffer.low_latency_combine(
+        y, topk_idx, weights, handle, zero_copy=True, out=out, combine_wait_recv_cost_stats=wait
+    )
+    name, core_handle, options = buffer._ll_core.calls[-1]
+    assert name == "low_latency_combine" and core_handle is handle.core
+    assert options == {
+        "zero_copy": True,
+        "async_finish": False,
+        "return_recv_hook": False,
+        "out": out,
+        "combine_wait_recv_cost_stats": wait,
+    }
+    assert combined.shape == (3, LL_H) and isinstance(event, EventOverlap) and event.event is None and hook is None
+    assert buffer.get_next_low_latency_combine_buffer(handle) is not None
+    assert buffer._ll_core.calls[-1] == ("get_next_low_latency_combine_buffer", handle.core)
+    with pytest.raises(TypeError, match="handle must be the handle Buffer.low_latency_dispatch returned"):
+        buffer.get_next_low_latency_combine_buffer(tuple(handle))
+
+
+def test_combine_with_a_foreign_handle_raises_type_error_after_the_core_took_part(fake_cores):
+    buffer = _ll_buffer()
+    x, topk_idx = _ll_inputs()
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    with pytest.raises(TypeError, match="got tuple") as info:
+        buffer.low_latency_combine(torch.zeros(1), topk_idx, torch.zeros(3, 2), tuple(handle))
+    assert isinstance(info.value.__cause__, TypeError)
+    assert buffer._ll_core.calls[-1] == ("combine without input",)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_use_logfmt_is_refused_after_taking_part_without_data(fake_cores, stale):
+    buffer = _ll_buffer()
+    x, topk_idx = _ll_inputs()
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    ll_core = buffer._ll_core
+    ll_core.stale = stale
+    with pytest.raises(NotImplementedError, match="use_logfmt=True"):
+        buffer.low_latency_combine(torch.zeros(1), topk_idx, torch.zeros(3, 2), handle, use_logfmt=True)
+    calls = ll_core.calls[1:]
+    assert calls[:2] == [("check outstanding", "low_latency_combine"), ("check handle", handle.core)]
+    # Zero rows for what the handle received when it is usable, none when it is not (as the core does).
+    assert calls[2] == ("combine without input", None if stale else handle.core, "NotImplementedError")
+    assert len(calls) == 3  # the combine itself never ran
+
+
+def test_clean_low_latency_buffer_builds_the_window_once_then_only_checks_its_arguments(fake_cores):
+    buffer = _ll_buffer()
+    with pytest.raises(ValueError, match="hidden must be an int >= 1"):
+        buffer.clean_low_latency_buffer(LL_T, 0, LL_E)
+    assert buffer._ll_core is None and not fake_cores.exchanged  # refused before any communication
+    assert buffer.clean_low_latency_buffer(LL_T, LL_H, LL_E) is None  # builds the window (collective)
+    assert buffer._ll_core is not None and buffer.low_latency_sizing == (LL_T, LL_H, LL_E)
+    assert len(fake_cores.exchanged) == 1
+    x, topk_idx = _ll_inputs()
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)  # uses the window clean built
+    calls = list(buffer._ll_core.calls)
+    assert buffer.clean_low_latency_buffer(LL_T, LL_H, LL_E) is None
+    with pytest.raises(ValueError, match=rf"num_experts=16\) differs .* num_experts={LL_E}"):
+        buffer.clean_low_latency_buffer(LL_T, LL_H, 2 * LL_E)
+    assert buffer._ll_core.calls == calls and len(fake_cores.exchanged) == 1  # no more communication
+
+
+def test_rdma_buffer_view_needs_the_ll_window(fake_cores):
+    buffer = _ll_buffer()
+    with pytest.raises(RuntimeError, match="first low_latency_dispatch builds"):
+        buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+
+
+def test_destroy_destroys_both_cores_even_when_the_first_fails(fake_cores):
+    buffer = _ll_buffer()
+    x, topk_idx = _ll_inputs()
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    ht_core, ll_core = buffer._core, buffer._ll_core
+    ll_core.destroy_error = RuntimeError("peer gone")
+    with pytest.raises(RuntimeError, match="peer gone"):
+        buffer.destroy()
+    assert ll_core.calls[-1] == ("destroy",) and ht_core.calls == [("destroy",)]
+    assert buffer._core is None and buffer._ll_core is None
+    buffer.destroy()  # once only
+    assert ht_core.calls == [("destroy",)]
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+
+
+def test_the_first_call_exchanges_over_a_one_rank_gloo_group(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    _RecordingLowLatencyCore.built = []
+    monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
+    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        buffer = Buffer(dist.group.WORLD, 0, low_latency_window_bytes(LL_T, LL_H, 1, LL_E), low_latency_mode=True)
+        x, topk_idx = _ll_inputs()
+        buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+        assert buffer.low_latency_sizing == (LL_T, LL_H, LL_E)
+    finally:
+        dist.destroy_process_group()

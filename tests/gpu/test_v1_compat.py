@@ -16,7 +16,6 @@ while its peers see PeerInputError), and hybrid mode (V1's internode handle layo
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -28,7 +27,7 @@ from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
-from deep_ep.v1_buffer import LOW_LATENCY_ISSUE, Buffer, DispatchHandle, bytes_for_tokens
+from deep_ep.v1_buffer import Buffer, DispatchHandle, bytes_for_tokens
 
 EMULATE_ENV = "EP_EMULATE_RANKS_PER_NODE"
 
@@ -350,9 +349,14 @@ def _check_attributes(buffer: Buffer, group, rank: int, num_ranks: int, num_nvl_
     assert view.data_ptr() == core.local_window_base() + core._window["ht_offset"] + 64
     assert buffer.get_local_buffer_tensor(torch.uint8).numel() == num_nvl_bytes
     assert buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel() == 0
-    for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer"):
-        with pytest.raises(NotImplementedError, match=re.escape(LOW_LATENCY_ISSUE)):
-            getattr(buffer, name)()
+    # Built without low_latency_mode: the LL calls refuse, as V1 asserts (nothing is communicated).
+    x = torch.zeros(1, 128, dtype=torch.bfloat16, device=device())
+    idx = torch.zeros(1, 1, dtype=torch.int64, device=device())
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        buffer.low_latency_dispatch(x, idx, 1, num_ranks)
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        buffer.clean_low_latency_buffer(1, 128, num_ranks)
+    assert buffer.low_latency_sizing is None
 
 
 def _refusals(buffer: Buffer, rank: int, num_ranks: int) -> None:
