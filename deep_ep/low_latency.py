@@ -6,13 +6,13 @@ the caller's stream (``async_finish``: on the communication stream, with an even
 no SM waits while the data is in flight. No call synchronises with the host, so the whole path can
 be captured in a CUDA graph.
 
-The LL region is double buffered: operations alternate between parity 0 and 1 (the parity flips on
-every dispatch and combine). By default (``recv_layout="compact"``) the receive phase copies each
-local expert's rows out of the window into a fresh ``recv_x``, packed in ``[0, recv_count[l])`` and
-ordered by (source rank, source token): the layout masked grouped GEMMs read. With
+The LL region has three areas used in rotation (operation n uses area n % 3), so a send phase
+finds the area it writes already released by every peer (docs/low_latency.md). By default
+(``recv_layout="compact"``) the receive phase copies each local expert's rows out of the window
+into a fresh ``recv_x``, packed in ``[0, recv_count[l])`` and ordered by (source rank, source
+token): the layout masked grouped GEMMs read. With
 ``recv_layout="per_source"`` ``recv_x`` is instead a zero-copy view of this rank's receive slots
-(source ``s`` at rows ``[s*T_ll, s*T_ll + n)``), valid until the next LL operation that reuses its
-parity starts (the next-but-one LL call).
+(source ``s`` at rows ``[s*T_ll, s*T_ll + n)``), valid until the next-but-one LL call starts.
 At most two operations may be outstanding (receive phase not yet launched); a third raises.
 See docs/low_latency.md for the layout and the protocol.
 """
@@ -37,9 +37,10 @@ UE8M0_GROUP_WORDS = 4  # UE8M0 scales: one int32 packs the exponent bytes of 4 g
 RECV_LAYOUTS = ("compact", "per_source")
 # deep_ep/kernels/low_latency.hpp LowLatencyScales
 _SCALES_FP32_ROW, _SCALES_FP32_COL, _SCALES_UE8M0_ROW, _SCALES_UE8M0_COL = range(4)
+LL_AREAS = 3  # csrc/common/geometry.hpp kLowLatencyAreas
 MAX_OUTSTANDING = 2
-# A handle's dispatch area (headers) is reused by the second LL operation after the dispatch, so
-# the combine answering it must be at most that one.
+# A dispatch's data (headers included) is released once the second LL operation after it has sent,
+# so the combine answering it must be at most that one.
 MAX_COMBINE_DISTANCE = 2
 # Receive phases launched into CUDA need 16-byte aligned rows.
 _ROW_ALIGNMENT = 16
@@ -85,7 +86,7 @@ class LowLatencyHandle:
     """
 
     owner_id: int
-    parity: int
+    area: int
     op_index: int
     num_tokens: int
     num_topk: int
@@ -151,8 +152,8 @@ class LowLatencyMixin:
     num_experts: int
     num_ll_topk: int
 
-    # LL state, created on first use: next parity, operations started, receive phases pending.
-    _ll_next_parity: int = 0
+    # LL state, created on first use: next area, operations started, receive phases pending.
+    _ll_next_area: int = 0
     _ll_num_ops: int = 0
     _ll_num_pending: int = 0
 
@@ -224,8 +225,8 @@ class LowLatencyMixin:
         num_slots = self.num_ranks * self.num_max_dispatch_tokens_per_rank
         recv_src_info = torch.empty(num_local, num_slots, dtype=torch.int32, device=device)
         recv_layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
-        parity, op_index = self._ll_begin()
-        views = self._ll_views(parity)
+        area, op_index = self._ll_begin()
+        views = self._ll_views(area)
         scales_format = _SCALES_FP32_ROW
         out_data = out_scales = None
         if recv_layout == "compact":
@@ -237,7 +238,7 @@ class LowLatencyMixin:
             recv_x = (views["x_fp8"], views["x_scales"]) if use_fp8 else views["x_bf16"]
         handle = LowLatencyHandle(
             owner_id=self._serial,
-            parity=parity,
+            area=area,
             op_index=op_index,
             num_tokens=num_tokens,
             num_topk=num_topk,
@@ -259,7 +260,7 @@ class LowLatencyMixin:
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
                 *self._ll_sizing(),
-                parity,
+                area,
                 x.data_ptr(),
                 topk_idx.data_ptr(),
                 num_tokens,
@@ -342,15 +343,15 @@ class LowLatencyMixin:
         x, topk_idx, topk_weights = _aligned(x), topk_idx.contiguous(), topk_weights.contiguous()
         if out is None:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
-        parity, _ = self._ll_begin()
+        area, _ = self._ll_begin()
         count_per_source = handle.count_per_source
         layout_range = handle.recv_layout_range if handle.recv_layout == "compact" else None
 
         def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
             phase(
                 *self._ll_sizing(),
-                handle.parity,
-                parity,
+                handle.area,
+                area,
                 x.data_ptr(),
                 count_per_source.data_ptr(),
                 topk_idx.data_ptr(),
@@ -380,30 +381,32 @@ class LowLatencyMixin:
         return out, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the buffer (one per parity, allocated at the
-        first call) to write expert outputs into and pass as ``low_latency_combine``'s ``x``
-        (DeepEP's zero-copy combine). Rows follow ``handle.recv_layout``. The combine's send phase
-        reads it: do not write it again before that combine's send phase has run (stream order)."""
+        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the buffer to write expert outputs into and
+        pass as ``low_latency_combine``'s ``x`` (DeepEP's zero-copy combine). Two such tensors are
+        allocated at first use and handed out in turn, so the previous combine's may still be read
+        while this one is filled. Rows follow ``handle.recv_layout``. A combine's send phase reads
+        it: do not write it again before that send phase has run (stream order)."""
         self._ensure_usable()
         self._ll_check_handle(handle)
-        parity = self._ll_next_parity
+        index = self.__dict__.get("_ll_combine_buffer_index", 0)
+        self.__dict__["_ll_combine_buffer_index"] = index ^ 1
         buffers = self.__dict__.setdefault("_ll_combine_buffers", {})
-        if parity not in buffers:
+        if index not in buffers:
             num_local = self._ll_layout()["num_local_experts"]
-            buffers[parity] = torch.empty(
+            buffers[index] = torch.empty(
                 num_local,
                 self.num_ranks * self.num_max_dispatch_tokens_per_rank,
                 self.hidden,
                 dtype=torch.bfloat16,
                 device=self._ll_device(),
             )
-        return buffers[parity]
+        return buffers[index]
 
     # ------------------------------------------------------------- failed input
 
     def _ll_dispatch_without_input(self, error: Exception) -> None:
         """Send no token (and the failure announcement), then receive: the peers' dispatch completes
-        and this rank's LL state (parity, epochs) stays in step with theirs."""
+        and this rank's LL state (area, epochs) stays in step with theirs."""
         if self.num_max_dispatch_tokens_per_rank <= 0:
             return  # no LL region: every rank raises the same error without launching
 
@@ -411,11 +414,11 @@ class LowLatencyMixin:
             num_local = self._ll_layout()["num_local_experts"]
             counts = torch.empty(num_local * (self.num_ranks + 1), dtype=torch.int32, device=self._torch_device)
             keep(counts)
-            parity, _ = self._ll_begin()
+            area, _ = self._ll_begin()
             for phase in (_C.low_latency_dispatch_send, _C.low_latency_dispatch_recv):
                 phase(
                     *self._ll_sizing(),
-                    parity=parity,
+                    area=area,
                     x=0,
                     topk_idx=0,
                     num_tokens=0,
@@ -441,12 +444,12 @@ class LowLatencyMixin:
             if handle is not None:
                 keep(handle.count_per_source)
                 counts = handle.count_per_source.data_ptr()
-            parity, _ = self._ll_begin()
+            area, _ = self._ll_begin()
             for phase in (_C.low_latency_combine_send, _C.low_latency_combine_recv):
                 phase(
                     *self._ll_sizing(),
-                    dispatch_parity=handle.parity if handle is not None else 0,
-                    parity=parity,
+                    dispatch_area=handle.area if handle is not None else 0,
+                    area=area,
                     x=0,
                     count_per_source=counts,
                     topk_idx=0,
@@ -464,11 +467,11 @@ class LowLatencyMixin:
     # ---------------------------------------------------------------- launching
 
     def _ll_begin(self) -> tuple[int, int]:
-        """(parity, operation index) of the operation being started; flips the parity."""
-        parity, op_index = self._ll_next_parity, self._ll_num_ops
-        self._ll_next_parity = parity ^ 1
+        """(area, operation index) of the operation being started; moves to the next area."""
+        area, op_index = self._ll_next_area, self._ll_num_ops
+        self._ll_next_area = (area + 1) % LL_AREAS
         self._ll_num_ops = op_index + 1
-        return parity, op_index
+        return area, op_index
 
     def _ll_run(
         self,
@@ -516,9 +519,9 @@ class LowLatencyMixin:
             self.__dict__["_ll_layout_cache"] = layout
         return layout
 
-    def _ll_views(self, parity: int) -> dict[str, torch.Tensor]:
-        """Zero-copy views of this rank's receive slots at ``parity`` (built once per buffer; both
-        parities at the first call, so a later CUDA-graph capture creates none)."""
+    def _ll_views(self, area: int) -> dict[str, torch.Tensor]:
+        """Zero-copy views of this rank's receive slots at ``area`` (built once per buffer; every
+        area at the first call, so a later CUDA-graph capture creates none)."""
         cache = self.__dict__.setdefault("_ll_view_cache", {})
         if not cache:
             layout = self._ll_layout()
@@ -528,18 +531,18 @@ class LowLatencyMixin:
             owner = self._runtime
             num_local, num_slots = layout["num_local_experts"], self.num_ranks * self.num_max_dispatch_tokens_per_rank
             hidden, groups = self.hidden, self.hidden // FP8_GROUP_SIZE
-            for area_parity in (0, 1):
-                area = self._window["ll_offset"] + area_parity * layout["parity_bytes"]
-                payload = area + layout["dispatch_payload_offset"]
+            for index in range(LL_AREAS):
+                start = self._window["ll_offset"] + index * layout["area_bytes"]
+                payload = start + layout["dispatch_payload_offset"]
                 headers = window_tensor(
                     owner,
                     base,
-                    area + layout["dispatch_headers_offset"],
+                    start + layout["dispatch_headers_offset"],
                     (num_local, num_slots, 4),
                     torch.int32,
                     device,
                 )
-                cache[area_parity] = {
+                cache[index] = {
                     "x_bf16": window_tensor(
                         owner, base, payload, (num_local, num_slots, hidden), torch.bfloat16, device
                     ),
@@ -550,7 +553,7 @@ class LowLatencyMixin:
                     "x_scales": window_tensor(
                         owner,
                         base,
-                        area + layout["dispatch_scales_offset"],
+                        start + layout["dispatch_scales_offset"],
                         (num_local, num_slots, groups),
                         torch.float32,
                         device,
@@ -559,7 +562,7 @@ class LowLatencyMixin:
                     "topk_slot": headers[..., 1],
                 }
         # Fresh tensor objects each call (same memory), so callers cannot alter each other's metadata.
-        return {name: view[...] for name, view in cache[parity].items()}
+        return {name: view[...] for name, view in cache[area].items()}
 
     def _ll_device(self) -> torch.device:
         return self._torch_device
@@ -702,8 +705,8 @@ class LowLatencyMixin:
         distance = self._ll_num_ops - handle.op_index
         if distance > MAX_COMBINE_DISTANCE:
             raise RuntimeError(
-                f"handle is stale: {distance - 1} low-latency operations ran since its dispatch, whose receive "
-                f"area has been reused; low_latency_combine must be at most the {MAX_COMBINE_DISTANCE}nd LL "
+                f"handle is stale: {distance - 1} low-latency operations ran since its dispatch, whose data "
+                f"has been released; low_latency_combine must be at most the {MAX_COMBINE_DISTANCE}nd LL "
                 "operation after the dispatch"
             )
 

@@ -26,8 +26,8 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   scales column-major, a 5-entry handle (:class:`LowLatencyDispatchHandle`), an ``EventOverlap``
   always. Differences: rows of an expert are ordered by (source rank, source token), V1's by
   arrival; ``clean_low_latency_buffer`` cleans nothing (the core's LL signals are epoch-tagged and
-  never need cleaning) but builds the LL window when no LL call did yet; ``zero_copy`` changes nothing (combine always reads ``x``
-  in place); ``use_logfmt`` and the rank masks are not provided.
+  never need cleaning) but builds the LL window when no LL call did yet; ``zero_copy`` changes
+  nothing (combine always reads ``x`` in place); ``use_logfmt`` and the rank masks are not provided.
 * **Results with V1's meanings.** ``recv_topk_idx`` holds local expert ids and -1 elsewhere; the
   weights of -1 slots are zeroed (the core forwards all K). With ``num_worst_tokens > 0`` there is no
   CPU sync: outputs have exactly ``num_worst_tokens`` rows, rows past the received count have
@@ -1456,7 +1456,7 @@ class Buffer:
         return combined, _v1_event(event), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyDispatchHandle) -> torch.Tensor:
-        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the buffer (one per parity, allocated once) for the
+        """A bf16 ``[L, R*T_ll, H]`` tensor owned by the LL buffer (two, handed out in turn) for the
         next ``low_latency_combine``: write the expert outputs into it and pass it as ``x`` (V1's
         zero-copy pattern). Rows as in the dispatch's ``recv_x``. Not a view of the window, unlike
         V1's; do not write it again before that combine has run (stream order)."""

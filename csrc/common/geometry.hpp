@@ -160,19 +160,24 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
   return layout;
 }
 
-// LL areas: fixed slots per (local expert, source rank), double buffered. Each parity holds
-//   dispatch payload  [L][R][T_ll][hidden] (sized for bf16; an fp8 call uses the first half), so the
-//                     receive area *is* recv_x [L, R*T_ll, H] and needs no repack
+// LL areas: fixed slots per (local expert, source rank); kLowLatencyAreas areas used in rotation
+// (operation n uses area n % 3), so a send phase never waits for a peer to start the same
+// operation: the area it writes was released by every peer at the end of their previous send
+// (docs/low_latency.md, "Areas and release counts"). Each area holds
+//   dispatch payload  [L][R][T_ll][hidden] (sized for bf16; an fp8 call uses the first half)
 //   dispatch scales   [L][R][T_ll][hidden/128] fp32
 //   dispatch headers  [L][R][T_ll] x 16 B (source token, top-k slot)
 //   dispatch counts   [L][R] int32 arrival cells, count+1 ("0 = not arrived"), reset to 0 by the receive
 //                     kernel; dispatch: tokens of source s for local expert l; combine: rows returned by
 //                     local expert l of rank s
 //   combine payload   [T_ll][K][hidden] bf16: the row of (token, top-k slot k) returned by its expert
-//   combine flags     [R] int32 ready epochs, never reset: [me] = operations received on this parity,
-//                     [d] = epoch at which rank d last freed its area (send phases wait for it, so a
-//                     rank running ahead never overwrites an area a slower peer still reads)
+//   combine flags     [R] int32 counts, never reset: [me] = operations received on this area,
+//                     [d] = operations on this area whose data rank d has released (send phases wait
+//                     for it, so a rank running ahead never overwrites data a slower peer still reads);
+//                     then [2] int32 (area 0 only): area and epoch of this rank's last send phase
 // No send staging: every LL peer is load/store reachable (scale-out LL is not implemented).
+constexpr int kLowLatencyAreas = 3;
+constexpr int kLowLatencyStateInts = 2;  // {area, epoch} of the last send phase, after the flags of area 0
 struct LowLatencyLayout {
   int64_t num_max_tokens = 0;
   int num_local_experts = 0;
@@ -183,9 +188,9 @@ struct LowLatencyLayout {
   int64_t dispatch_counts_offset = 0;
   int64_t combine_payload_offset = 0;
   int64_t combine_flags_offset = 0;
-  int64_t parity_bytes = 0;  // one buffer of the pair, 2 MiB aligned
-  int64_t region_bytes = 0;  // both parities
-  EP_HOST_DEVICE constexpr int64_t parity_offset(int parity) const { return parity * parity_bytes; }
+  int64_t area_bytes = 0;    // one area, 2 MiB aligned
+  int64_t region_bytes = 0;  // kLowLatencyAreas areas
+  EP_HOST_DEVICE constexpr int64_t area_start(int area) const { return area * area_bytes; }
 };
 
 // Bytes of one LL dispatch message as it crosses the link (payload + scales + header).
@@ -214,9 +219,9 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
   layout.combine_payload_offset = offset;
   offset = align_up(offset + num_max_tokens * num_topk * hidden * 2, kSlotAlignBytes);
   layout.combine_flags_offset = offset;
-  offset = align_up(offset + int64_t{num_ranks} * 4, kSlotAlignBytes);
-  layout.parity_bytes = align_up(offset, kWindowAlignBytes);
-  layout.region_bytes = 2 * layout.parity_bytes;
+  offset = align_up(offset + (int64_t{num_ranks} + kLowLatencyStateInts) * 4, kSlotAlignBytes);
+  layout.area_bytes = align_up(offset, kWindowAlignBytes);
+  layout.region_bytes = kLowLatencyAreas * layout.area_bytes;
   return layout;
 }
 

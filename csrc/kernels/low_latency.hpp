@@ -1,24 +1,32 @@
-// Low-latency (decode) dispatch and combine: argument structs, launchers and the handshake both
-// kernel families share.
+// Low-latency (decode) dispatch and combine: argument structs, launchers and the area protocol
+// both kernel families share.
 //
 // Each LL operation (dispatch or combine) is a send phase and a receive phase, two kernels, so the
-// receive can be deferred to a hook. An operation uses one parity area of the LL region (its
-// receive side), given as `area_offset` = ll_offset + parity * parity_bytes in every window.
+// receive can be deferred to a hook. Operation n uses area n % kLowLatencyAreas of the LL region
+// (its receive side), given as `area_offset` = ll_offset + area * area_bytes in every window.
 //
 // Protocol (docs/low_latency.md has the full argument):
 //   * counts cells [L][R] of the area are arrival cells: (local expert l, source s) publishes
 //     n + 1 there with a system-scope release after its rows ("0 = not arrived"). Dispatch: the n
 //     tokens of s that selected expert l of the receiver. Combine: the n rows the receiver's
 //     tokens get back from local expert l of s. The receive kernel resets every cell to 0.
-//   * flags cells [R] of the area are ready epochs, never reset: ready[me] in my own window counts
-//     the operations whose receive phase ran on this parity (bumped by the receive kernel);
-//     ready[d] in my window is the epoch at which rank d last freed its area of this parity. A send
-//     phase of epoch e = ready[me] + 1 first tells every peer "my area is free for epoch e", then
-//     waits until every peer said the same before writing into that peer's area. A peer's area is
-//     free once its next operation on the parity has started: everything it received before
-//     (including zero-copy recv_x views) has been consumed by then.
-//   * a rank whose input failed its host checks sends with no data and `input_failed`: it sets its
-//     input-failed cell in every peer before the ready release; the peers record it (not fatal).
+//   * flags cells [R] of each area are counts, never reset: ready[me] in my own window counts the
+//     operations whose receive phase ran on this area (bumped by the receive kernel); ready[d] in
+//     my window counts the operations on this area whose data rank d has released. A send phase
+//     of epoch e = ready[me] + 1 on an area waits until every peer released e - 1 operations there
+//     — a poll of its own window — before writing into that peer's area.
+//   * A rank releases an operation's data once it is done with it: when it starts the second
+//     operation after it, or the next one on the same area (the lifetime of zero-copy views and
+//     of the headers a combine reads). The send phase publishes releases twice: at its start for
+//     its own area (everything before this operation there), and, from its last CTA once every
+//     CTA is done with the window, at its end for the other areas (everything but the previous
+//     operation). With the areas in rotation, the area an operation writes was released by every
+//     peer at the end of their previous send: no send waits for a peer to start the same
+//     operation. The rank's {area, epoch} of its last send (kLowLatencyStateInts in area 0) tell
+//     the end-of-send publication which area holds the previous operation.
+//   * a rank whose input failed its host checks sends with no data and `input_failed`: every CTA
+//     sets its input-failed cell in every peer before publishing arrival cells; receivers record
+//     it (not fatal) after acquiring a cell of that peer.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,10 +45,12 @@
 
 namespace deep_ep {
 
-// Workspace scratch ints used by the LL combine receive kernel: [parity] CTA arrival counter (back
-// to 0 when the kernel ends). The last two scratch ints, away from other kernels' scratch; one per
-// parity so that two outstanding combines received on different streams never share a counter.
-constexpr int kLowLatencyScratchIndex = WorkspaceLayout::kNumScratchInts - 2;
+// Workspace scratch ints of the LL kernels, back to 0 when a kernel ends, the last ones away from
+// other kernels' scratch; one per area so that operations on different streams never share one:
+// [area] CTA arrival counter of the combine receive kernel, [kLowLatencyAreas + area] CTA finish
+// counter of the send kernels (the last CTA publishes the releases).
+constexpr int kLowLatencyScratchIndex = WorkspaceLayout::kNumScratchInts - 2 * kLowLatencyAreas;
+constexpr int kLowLatencySendScratchIndex = kLowLatencyScratchIndex + kLowLatencyAreas;
 
 // Layout of the fp8 scales the dispatch receive phase writes into its output (compact rows).
 enum class LowLatencyScales : int {
@@ -56,7 +66,9 @@ constexpr int kLowLatencyRecvThreads = 512;
 struct LowLatencyDispatchArgs {
   DeviceView view;
   LowLatencyLayout layout;
-  int64_t area_offset = 0;  // window offset of this operation's parity area
+  int64_t ll_offset = 0;    // window offset of the LL region (area 0)
+  int64_t area_offset = 0;  // window offset of this operation's area
+  int area = 0;             // of area_offset: picks the send kernel's scratch counter
   int num_experts = 0;
   int hidden = 0;
   int num_tokens = 0;  // T <= layout.num_max_tokens
@@ -84,9 +96,10 @@ struct LowLatencyDispatchArgs {
 struct LowLatencyCombineArgs {
   DeviceView view;
   LowLatencyLayout layout;
-  int64_t dispatch_area_offset = 0;  // parity area of the dispatch this combine answers (headers)
-  int64_t area_offset = 0;           // this operation's parity area (combine payload, arrival cells)
-  int parity = 0;                    // of area_offset: picks the receive kernel's scratch counter
+  int64_t ll_offset = 0;             // window offset of the LL region (area 0)
+  int64_t dispatch_area_offset = 0;  // area of the dispatch this combine answers (headers)
+  int64_t area_offset = 0;           // this operation's area (combine payload, arrival cells)
+  int area = 0;                      // of area_offset: picks the kernels' scratch counters
   int num_experts = 0;
   int hidden = 0;
   int num_tokens = 0;                         // T of the dispatch
@@ -125,60 +138,100 @@ __device__ __forceinline__ int32_t* arrival_cell(const DeviceView& view, int ran
   return view.peer<int32_t>(rank, area_offset + layout.dispatch_counts_offset + cell * 4);
 }
 
-__device__ __forceinline__ int32_t* ready_cell(const DeviceView& view, int rank, const LowLatencyLayout& layout,
+// flags cell `about_rank` of an area in `rank`'s window (see the protocol above).
+__device__ __forceinline__ int32_t* flags_cell(const DeviceView& view, int rank, const LowLatencyLayout& layout,
                                                int64_t area_offset, int about_rank) {
   return view.peer<int32_t>(rank, area_offset + layout.combine_flags_offset + int64_t{about_rank} * 4);
 }
 
 // Epoch of the operation being sent: one more than the operations whose receive phase already ran
-// on this parity. Only receive kernels write ready[me] in my window, and they are stream-ordered
+// on this area. Only receive kernels write ready[me] in my window, and they are stream-ordered
 // around send kernels, so every CTA of a send kernel reads the same value.
 __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                               int64_t area_offset) {
-  return ptx::ld_relaxed_sys(ready_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
+  return ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
 }
 
-// Called by every thread of every CTA of a send kernel, before the CTA writes into any peer's area.
-// CTA 0 announces that this rank's area is free for `epoch`; each CTA then waits until every peer
-// announced the same. Returns false on timeout (the CTA must leave without writing).
-__device__ __forceinline__ bool exchange_ready(const DeviceView& view, const LowLatencyLayout& layout,
-                                               int64_t area_offset, int32_t epoch, Operation operation,
-                                               bool input_failed) {
+// Start of a send phase; every thread of every CTA, before the CTA writes into any peer's area.
+// With `input_failed` every CTA first announces it to every peer (before any arrival cell it
+// publishes). CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each
+// CTA then waits until every peer released epoch - 1 operations here — normally already true, from
+// the peer's previous send. Returns false on timeout (the CTA must not write then).
+__device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout,
+                                           int64_t area_offset, int32_t epoch, Operation operation,
+                                           bool input_failed) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
+  if (input_failed) announce_input_failed(view);
   if (blockIdx.x == 0) {
-    if (input_failed) {
-      announce_input_failed(view);
-      __syncthreads();  // the announcements precede every thread's release below
-    }
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
       // the peer's writes into it.
-      if (peer != view.rank) ptx::st_release_sys(ready_cell(view, peer, layout, area_offset, view.rank), epoch);
+      if (peer != view.rank) ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), epoch - 1);
     }
   }
   __syncthreads();
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
     if (peer == view.rank) continue;  // my own area is free by stream order
-    const int32_t* cell = ready_cell(view, view.rank, layout, area_offset, peer);
-    const bool ok = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch, [&](int64_t& seen) {
+    const int32_t* cell = flags_cell(view, view.rank, layout, area_offset, peer);
+    const bool ok = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch - 1, [&](int64_t& seen) {
       seen = ptx::ld_acquire_sys(cell);
-      return seen >= epoch;
+      return seen >= epoch - 1;
     });
-    if (!ok) {
-      atomicExch(&failed, 1);
-    } else if (blockIdx.x == 0) {
-      collect_input_failed(view, operation, peer);
-    }
+    if (!ok) atomicExch(&failed, 1);
   }
   __syncthreads();
   return failed == 0;
 }
 
-// The receive kernel's last act on the parity: one more operation has been received here.
+// End of a send phase; every thread of every CTA, after the CTA's last access to any window (a
+// combine reads its dispatch's headers in this rank's window). The last CTA to finish publishes to
+// every peer how many operations of each area this rank has released: on this operation's area
+// every earlier one (epoch - 1); on the area of the previous operation all but that one; on any
+// other area every received one (all are at least two operations old). Then it records this
+// operation as the previous one. `counter`: this area's send scratch int (back to 0 here).
+__device__ __forceinline__ void end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
+                                         int area, int32_t epoch, int32_t* counter) {
+  __shared__ int is_last;
+  __shared__ int32_t previous[kLowLatencyStateInts];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // acq_rel: every CTA's window accesses happen-before the last CTA's release stores below.
+    is_last = ptx::atomic_add_acq_rel_gpu(counter, 1) == static_cast<int32_t>(gridDim.x) - 1;
+    if (is_last) *counter = 0;  // workspace invariant: scratch is zero between kernels
+  }
+  __syncthreads();
+  if (!is_last) return;
+  int32_t* state = view.local<int32_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 4);
+  if (threadIdx.x < kLowLatencyStateInts) previous[threadIdx.x] = state[threadIdx.x];
+  __syncthreads();
+  const int previous_area = previous[0];
+  const int32_t previous_epoch = previous[1];  // 0: no previous operation
+  for (int other = 0; other < kLowLatencyAreas; ++other) {
+    const int64_t other_offset = ll_offset + layout.area_start(other);
+    int32_t released = 0;
+    if (other == area) {
+      released = epoch - 1;
+    } else if (other == previous_area && previous_epoch > 0) {
+      released = previous_epoch - 1;
+    } else {
+      released = ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, other_offset, view.rank));
+    }
+    for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+      if (peer != view.rank) ptx::st_release_sys(flags_cell(view, peer, layout, other_offset, view.rank), released);
+    }
+  }
+  __syncthreads();  // every thread read `previous` before it is overwritten
+  if (threadIdx.x == 0) {
+    state[0] = area;
+    state[1] = epoch;
+  }
+}
+
+// The receive kernel's last act on the area: one more operation has been received here.
 __device__ __forceinline__ void bump_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                            int64_t area_offset) {
-  int32_t* cell = ready_cell(view, view.rank, layout, area_offset, view.rank);
+  int32_t* cell = flags_cell(view, view.rank, layout, area_offset, view.rank);
   ptx::st_relaxed_sys(cell, ptx::ld_relaxed_sys(cell) + 1);
 }
 

@@ -43,76 +43,77 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int lane = static_cast<int>(threadIdx.x % 32);
 
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed)) {
-    return;
-  }
-
-  const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
-  const auto* rows = static_cast<const int4*>(args.x);
-  const int num_units = layout.num_local_experts * num_ranks;
-  // Round r of CTA c takes units r * gridDim * kUnitsPerRound + j * gridDim + c (j < kUnitsPerRound),
-  // unit = l * R + s: source-fastest, so neighbouring CTAs write to different ranks. A unit has few
-  // rows (about T * K / E), so the rows of a whole round are spread over the warps together.
-  for (int round_base = 0; round_base < num_units; round_base += gridDim.x * kUnitsPerRound) {
-    const auto unit_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
-    if (threadIdx.x < kUnitsPerRound) {
-      const int unit = unit_of(threadIdx.x);
-      // Clamped so that a corrupted count can never address past the slots. Without the handle's
-      // counts (a failed input with no usable handle) this rank sends no row.
-      unit_counts[threadIdx.x] =
-          unit < num_units && args.count_per_source != nullptr
-              ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
-              : 0;
-      // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
-      // (first row from its layout range, clamped inside the expert's rows like the count).
-      int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
-      if (unit < num_units && args.layout_range != nullptr) {
-        const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
-        const int64_t begin = std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
-        first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
+  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed)) {
+    const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
+    const auto* rows = static_cast<const int4*>(args.x);
+    const int num_units = layout.num_local_experts * num_ranks;
+    // Round r of CTA c takes units r * gridDim * kUnitsPerRound + j * gridDim + c (j < kUnitsPerRound),
+    // unit = l * R + s: source-fastest, so neighbouring CTAs write to different ranks. A unit has few
+    // rows (about T * K / E), so the rows of a whole round are spread over the warps together.
+    for (int round_base = 0; round_base < num_units; round_base += gridDim.x * kUnitsPerRound) {
+      const auto unit_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
+      if (threadIdx.x < kUnitsPerRound) {
+        const int unit = unit_of(threadIdx.x);
+        // Clamped so that a corrupted count can never address past the slots. Without the handle's
+        // counts (a failed input with no usable handle) this rank sends no row.
+        unit_counts[threadIdx.x] =
+            unit < num_units && args.count_per_source != nullptr
+                ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+                : 0;
+        // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
+        // (first row from its layout range, clamped inside the expert's rows like the count).
+        int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
+        if (unit < num_units && args.layout_range != nullptr) {
+          const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
+          const int64_t begin = std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+          first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
+        }
+        unit_first_x_row[threadIdx.x] = first_x_row;
       }
-      unit_first_x_row[threadIdx.x] = first_x_row;
-    }
-    __syncthreads();
+      __syncthreads();
 
-    int rows_before = 0;
-    for (int j = 0; j < kUnitsPerRound; ++j) {
-      const int unit = unit_of(j);
-      if (unit >= num_units) break;
-      const int count = unit_counts[j];
-      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
-      const int64_t first_x_row = unit_first_x_row[j];
-      int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
-      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
-        const int64_t row = first_row + i;
-        const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
-        const int token = header.x;
-        const int slot = header.y;
-        if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
-        int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
-        if (rows == nullptr) {
-          // This rank's input failed: its expert outputs count as zero, not as stale slot data.
-          for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
-        } else {
-          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
+      int rows_before = 0;
+      for (int j = 0; j < kUnitsPerRound; ++j) {
+        const int unit = unit_of(j);
+        if (unit >= num_units) break;
+        const int count = unit_counts[j];
+        const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
+        const int64_t first_x_row = unit_first_x_row[j];
+        int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
+        for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+          const int64_t row = first_row + i;
+          const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
+          const int token = header.x;
+          const int slot = header.y;
+          if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+          int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
+          if (rows == nullptr) {
+            // This rank's input failed: its expert outputs count as zero, not as stale slot data.
+            for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
+          } else {
+            low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
+          }
+        }
+        rows_before += count;
+      }
+      __syncthreads();
+
+      if (threadIdx.x < kUnitsPerRound) {
+        const int unit = unit_of(threadIdx.x);
+        if (unit < num_units) {
+          // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
+          ptx::fence_acq_rel_sys();
+          ptx::st_release_sys(
+              low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
+              unit_counts[threadIdx.x] + 1);
         }
       }
-      rows_before += count;
+      __syncthreads();  // unit_counts is rewritten by the next round
     }
-    __syncthreads();
-
-    if (threadIdx.x < kUnitsPerRound) {
-      const int unit = unit_of(threadIdx.x);
-      if (unit < num_units) {
-        // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
-        ptx::fence_acq_rel_sys();
-        ptx::st_release_sys(
-            low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
-            unit_counts[threadIdx.x] + 1);
-      }
-    }
-    __syncthreads();  // unit_counts is rewritten by the next round
   }
+  int32_t* counter =
+      view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter);
 }
 
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
@@ -146,7 +147,11 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
       seen = ptx::ld_acquire_sys(cell);
       return seen != 0;
     });
-    if (!arrived) atomicExch(&failed, 1);
+    if (!arrived) {
+      atomicExch(&failed, 1);
+    } else if (blockIdx.x == 0) {
+      collect_input_failed(view, Operation::kLlCombine, source);  // announced before the cell's release
+    }
     // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
     if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
@@ -158,14 +163,14 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
 
   if (threadIdx.x == 0) {
     int32_t* arrivals =
-        view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencyScratchIndex + args.parity} * 4);
+        view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencyScratchIndex + args.area} * 4);
     is_last = ptx::atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int32_t>(gridDim.x) - 1;
     if (is_last) *arrivals = 0;  // workspace invariant: scratch is zero between kernels
   }
   __syncthreads();
   if (is_last) {
     // Every CTA has seen every cell; the senders write them again only after this rank's next
-    // operation on the parity has started (after this kernel).
+    // operation on the area has started (after this kernel).
     for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
       ptx::st_relaxed_sys(low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks,
                                                     cell_index % num_ranks),
@@ -233,7 +238,8 @@ void check_args(const LowLatencyCombineArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   EP_REQUIRE(args.hidden > 0 && args.hidden % 8 == 0,
              "hidden must be a positive multiple of 8, got " + std::to_string(args.hidden));
-  EP_REQUIRE(args.parity == 0 || args.parity == 1, "parity must be 0 or 1, got " + std::to_string(args.parity));
+  EP_REQUIRE(args.area >= 0 && args.area < kLowLatencyAreas,
+             "area must be in [0, " + std::to_string(kLowLatencyAreas) + "), got " + std::to_string(args.area));
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 

@@ -84,11 +84,10 @@ __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args,
   }
 }
 
+// The rounds of the dispatch send kernel (after the area gate): see the file comment.
 template <bool kUseFp8>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
-    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
-  extern __shared__ __align__(16) uint8_t shared[];
-  __shared__ int list_sizes[kSendWarps];
+__device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, const int16_t* expert_ids,
+                                            int32_t* lists, int* list_sizes, int experts_per_round) {
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_tokens = args.num_tokens;
@@ -97,20 +96,6 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   const int num_local = layout.num_local_experts;
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  // [T * K] expert ids (validated: an out-of-range or repeated id is recorded and becomes -1), then one list
-  // of (token << kSlotBits | slot) per expert of the round.
-  auto* expert_ids = reinterpret_cast<int16_t*>(shared);
-  auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
-
-  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
-    expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
-                                                        i / num_topk, i % num_topk, args.num_experts));
-  }
-  // Also the __syncthreads that makes expert_ids visible to the whole CTA.
-  if (!low_latency::exchange_ready(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed)) {
-    return;
-  }
 
   // Round r of CTA c takes experts r * gridDim * batch + j * gridDim + c (j < batch): strided so
   // that every CTA gets work even when E is not much larger than the grid.
@@ -182,6 +167,34 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   }
 }
 
+template <bool kUseFp8>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
+    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  __shared__ int list_sizes[kSendWarps];
+  const DeviceView& view = args.view;
+  const LowLatencyLayout& layout = args.layout;
+  const int num_tokens = args.num_tokens;
+  const int num_topk = args.num_topk;
+  // [T * K] expert ids (validated: an out-of-range or repeated id is recorded and becomes -1), then one list
+  // of (token << kSlotBits | slot) per expert of the round.
+  auto* expert_ids = reinterpret_cast<int16_t*>(shared);
+  auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
+
+  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+    expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
+                                                        i / num_topk, i % num_topk, args.num_experts));
+  }
+  // Also the __syncthreads that makes expert_ids visible to the whole CTA.
+  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed)) {
+    send_rounds<kUseFp8>(args, expert_ids, lists, list_sizes, experts_per_round);
+  }
+  int32_t* counter =
+      view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter);
+}
+
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
 __device__ __forceinline__ void store_scales(const LowLatencyDispatchArgs& args, const float* src, int64_t local,
                                              int64_t row, int lane) {
@@ -214,7 +227,7 @@ __device__ __forceinline__ void store_scales(const LowLatencyDispatchArgs& args,
 
 // One CTA per local expert (strided). Thread s waits for the cell of source s, records the count
 // and resets the cell (the source writes it again only after this rank's next operation on the
-// parity has started, which is after this kernel). Warp 0 then turns the counts into each source's
+// area has started, which is after this kernel). Warp 0 then turns the counts into each source's
 // first output row, and the warps copy the rows out of the window when recv_x is given (compact
 // rows; the source of output row r is the last s whose first row is <= r).
 __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
@@ -241,6 +254,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
         atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
                   static_cast<unsigned long long>(clock64() - start));
       }
+      if (arrived) collect_input_failed(view, Operation::kLlDispatch, source);  // announced before the cell
       // Clamped so that a corrupted count can never address past the source's slots.
       const int32_t count = arrived ? min(max(value - 1, 0), static_cast<int32_t>(num_max_tokens)) : 0;
       args.count_per_source[int64_t{local} * num_ranks + source] = count;
@@ -313,6 +327,8 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
 
 void check_args(const LowLatencyDispatchArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
+  EP_REQUIRE(args.area >= 0 && args.area < kLowLatencyAreas,
+             "area must be in [0, " + std::to_string(kLowLatencyAreas) + "), got " + std::to_string(args.area));
   EP_REQUIRE(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
              "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
   const bool ue8m0 = args.scales_format == LowLatencyScales::kUe8m0RowMajor ||

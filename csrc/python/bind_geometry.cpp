@@ -50,7 +50,7 @@ void register_geometry(py::module_& m) {
         d["num_topk"] = layout.num_topk;
         d["num_local_experts"] = layout.num_local_experts;
         d["num_max_tokens"] = layout.num_max_tokens;
-        d["parity_bytes"] = layout.parity_bytes;
+        d["area_bytes"] = layout.area_bytes;
         d["region_bytes"] = layout.region_bytes;
         d["dispatch_payload_offset"] = layout.dispatch_payload_offset;
         d["dispatch_scales_offset"] = layout.dispatch_scales_offset;

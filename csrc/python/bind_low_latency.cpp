@@ -1,7 +1,7 @@
 // LL dispatch/combine launchers for Python: tensors cross as data_ptr() integers, streams as
 // cuda_stream integers. Shapes are validated in deep_ep/low_latency.py; here the LL layout is
 // rebuilt from the buffer's settings through sizing.hpp (never from offsets passed in), checked
-// against the window that was really allocated, and turned into the parity area of the call.
+// against the window that was really allocated, and turned into the area of the call.
 // `input_failed`: this rank's input failed its host checks; it takes part without data (T = 0 for a
 // dispatch; zero rows, or none without a handle, for a combine) and its peers record why.
 #include <pybind11/pybind11.h>
@@ -41,19 +41,24 @@ LowLatencyLayout layout_of(const Runtime& runtime, const LowLatencySettings& set
   return layout;
 }
 
-int64_t area_offset(const Runtime& runtime, const LowLatencyLayout& layout, int parity) {
-  if (parity != 0 && parity != 1) throw std::invalid_argument("parity must be 0 or 1, got " + std::to_string(parity));
-  return runtime.window().ll_offset + layout.parity_offset(parity);
+int64_t area_offset(const Runtime& runtime, const LowLatencyLayout& layout, int area) {
+  if (area < 0 || area >= kLowLatencyAreas) {
+    throw std::invalid_argument("area must be in [0, " + std::to_string(kLowLatencyAreas) + "), got " +
+                                std::to_string(area));
+  }
+  return runtime.window().ll_offset + layout.area_start(area);
 }
 
-LowLatencyDispatchArgs dispatch_args(const Runtime& runtime, const LowLatencySettings& settings, int parity,
+LowLatencyDispatchArgs dispatch_args(const Runtime& runtime, const LowLatencySettings& settings, int area,
                                      std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk,
                                      bool use_fp8, std::uintptr_t recv_count, std::uintptr_t count_per_source,
                                      int num_sms) {
   LowLatencyDispatchArgs args;
   args.view = runtime.device_view();
   args.layout = layout_of(runtime, settings);
-  args.area_offset = area_offset(runtime, args.layout, parity);
+  args.ll_offset = runtime.window().ll_offset;
+  args.area_offset = area_offset(runtime, args.layout, area);
+  args.area = area;
   args.num_experts = settings.num_experts;
   args.hidden = settings.hidden;
   args.num_tokens = num_tokens;
@@ -67,16 +72,17 @@ LowLatencyDispatchArgs dispatch_args(const Runtime& runtime, const LowLatencySet
   return args;
 }
 
-LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySettings& settings, int dispatch_parity,
-                                   int parity, std::uintptr_t x, std::uintptr_t count_per_source,
+LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySettings& settings, int dispatch_area,
+                                   int area, std::uintptr_t x, std::uintptr_t count_per_source,
                                    std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out,
                                    int num_tokens, int num_topk, int num_sms) {
   LowLatencyCombineArgs args;
   args.view = runtime.device_view();
   args.layout = layout_of(runtime, settings);
-  args.dispatch_area_offset = area_offset(runtime, args.layout, dispatch_parity);
-  args.area_offset = area_offset(runtime, args.layout, parity);
-  args.parity = parity;
+  args.ll_offset = runtime.window().ll_offset;
+  args.dispatch_area_offset = area_offset(runtime, args.layout, dispatch_area);
+  args.area_offset = area_offset(runtime, args.layout, area);
+  args.area = area;
   args.num_experts = settings.num_experts;
   args.hidden = settings.hidden;
   args.num_tokens = num_tokens;
@@ -94,14 +100,14 @@ LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySetti
 
 void register_low_latency(py::module_& m) {
   const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
-    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int parity,
+    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int area,
                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
                     std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
                     bool input_failed, bool round_scale, std::uintptr_t recv_x, std::uintptr_t recv_scales,
                     int scales_format, std::uintptr_t recv_src_info, std::uintptr_t recv_layout_range,
                     std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, parity, x, topk_idx, num_tokens, num_topk, use_fp8,
+      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, area, x, topk_idx, num_tokens, num_topk, use_fp8,
                                                   recv_count, count_per_source, num_sms);
       args.input_failed = input_failed;
       args.round_scale = round_scale;
@@ -120,12 +126,12 @@ void register_low_latency(py::module_& m) {
   };
   const auto combine = [](void (*launch)(const LowLatencyCombineArgs&, cudaStream_t)) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk,
-                    int dispatch_parity, int parity, std::uintptr_t x, std::uintptr_t count_per_source,
+                    int dispatch_area, int area, std::uintptr_t x, std::uintptr_t count_per_source,
                     std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
                     int num_topk, int num_sms, std::uintptr_t stream, bool input_failed, std::uintptr_t layout_range,
                     std::uintptr_t wait_cost_stats) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_parity, parity, x, count_per_source,
+      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source,
                                                 topk_idx, topk_weights, out, num_tokens, num_topk, num_sms);
       args.input_failed = input_failed;
       args.layout_range = pointer<const int64_t>(layout_range);
@@ -140,7 +146,7 @@ void register_low_latency(py::module_& m) {
   for (const auto& [name, launch] : {std::pair{"low_latency_dispatch_send", &launch_low_latency_dispatch_send},
                                      std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv}}) {
     m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
-          py::arg("num_experts"), py::arg("ll_topk"), py::arg("parity"), py::arg("x"), py::arg("topk_idx"),
+          py::arg("num_experts"), py::arg("ll_topk"), py::arg("area"), py::arg("x"), py::arg("topk_idx"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
           py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false,
           py::arg("round_scale") = false, py::arg("recv_x") = 0, py::arg("recv_scales") = 0,
@@ -152,7 +158,7 @@ void register_low_latency(py::module_& m) {
   for (const auto& [name, launch] : {std::pair{"low_latency_combine_send", &launch_low_latency_combine_send},
                                      std::pair{"low_latency_combine_recv", &launch_low_latency_combine_recv}}) {
     m.def(name, combine(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
-          py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_parity"), py::arg("parity"), py::arg("x"),
+          py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_area"), py::arg("area"), py::arg("x"),
           py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"),
           py::arg("input_failed") = false, py::arg("layout_range") = 0, py::arg("wait_cost_stats") = 0);

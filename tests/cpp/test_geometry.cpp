@@ -100,7 +100,7 @@ TEST(LowLatency, PlannerExampleMessageAndReceiveSlots) {
   EXPECT_EQ(int64_t{4} * 64 * 128 * low_latency_message_bytes(7168, true), 242745344);
 }
 
-TEST(LowLatency, ParityHoldsEveryAreaInOrderAndAligned) {
+TEST(LowLatency, AreaHoldsEverySectionInOrderAndAligned) {
   const LowLatencyLayout layout = low_latency_layout(128, 7168, 8, 256, 8);
   const int64_t rows = 32 * 8 * 128;
   EXPECT_EQ(layout.num_local_experts, 32);
@@ -110,10 +110,11 @@ TEST(LowLatency, ParityHoldsEveryAreaInOrderAndAligned) {
   EXPECT_EQ(layout.dispatch_counts_offset, layout.dispatch_headers_offset + rows * 16);
   EXPECT_EQ(layout.combine_payload_offset, layout.dispatch_counts_offset + 256 * 4);
   EXPECT_EQ(layout.combine_flags_offset, layout.combine_payload_offset + 128 * 8 * 7168 * 2);
-  EXPECT_GE(layout.parity_bytes, layout.combine_flags_offset + 8 * 4);
-  EXPECT_EQ(layout.parity_bytes % kWindowAlignBytes, 0);
-  EXPECT_EQ(layout.region_bytes, 2 * layout.parity_bytes);
-  EXPECT_EQ(layout.parity_offset(1), layout.parity_bytes);
+  EXPECT_GE(layout.area_bytes, layout.combine_flags_offset + (8 + kLowLatencyStateInts) * 4);
+  EXPECT_EQ(layout.area_bytes % kWindowAlignBytes, 0);
+  EXPECT_EQ(layout.region_bytes, kLowLatencyAreas * layout.area_bytes);
+  EXPECT_EQ(layout.area_start(2), 2 * layout.area_bytes);
+  EXPECT_EQ(layout.area_start(1), layout.area_bytes);
 }
 
 TEST(LowLatency, EmptyWhenNotRequested) { EXPECT_EQ(low_latency_layout(0, 7168, 8, 256, 8).region_bytes, 0); }

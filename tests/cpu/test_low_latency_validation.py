@@ -58,7 +58,7 @@ def _handle(buffer: FakeBuffer, *, num_tokens: int = 4, received: bool = True, o
     empty = torch.empty(0, dtype=torch.int32)
     return LowLatencyHandle(
         owner_id=buffer._serial,
-        parity=0,
+        area=0,
         op_index=op_index,
         num_tokens=num_tokens,
         num_topk=LL_TOPK,

@@ -647,7 +647,7 @@ def _ll_core_handle(num_ranks: int = 2, num_tokens: int = 3, sizing=(LL_T, LL_H,
     num_local, num_slots = num_experts // num_ranks, num_ranks * cap
     return LowLatencyHandle(
         owner_id=1,
-        parity=0,
+        area=0,
         op_index=0,
         num_tokens=num_tokens,
         num_topk=2,

@@ -521,6 +521,68 @@ def _stats(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str
     return failures
 
 
+SKEW_CYCLES = 20_000_000  # about 10 ms of GPU time: far longer than an LL operation
+
+
+def _skew(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str]:
+    """A slow rank (the last) delays its stream before every LL phase while the others run ahead as
+    far as the protocol lets them. Per-source (zero-copy) results are read as late as their lifetime
+    allows — after the next operation was issued — and two hooks stay pending on the slow rank while
+    the fast ranks go on to a third operation: nothing a slow rank still may read is overwritten."""
+    slow = rank == num_ranks - 1
+    num_topk = spec.topk(num_ranks)
+
+    def delay() -> None:
+        if slow:
+            torch.cuda._sleep(SKEW_CYCLES)
+
+    options = {"recv_layout": "per_source"}
+    sets = [
+        _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, use_fp8, 400 + i, recv_layout="per_source")
+        for i, use_fp8 in enumerate((True, False, True, False))
+    ]
+    failures: list[str] = []
+    # Dispatch, combine, dispatch, ...: dispatch i's views are read after combine i was issued.
+    for i, ((inputs, expected), use_fp8) in enumerate(zip(sets[:2], (True, False), strict=True)):
+        delay()
+        recv_x, recv_count, handle = _dispatch(buffer, spec, inputs, use_fp8, "direct", **options)
+        y = ll_expert_output(recv_x, use_fp8).clone()
+        delay()
+        combined = _combine(buffer, y, inputs, handle, "direct")
+        delay()
+        observed = _snapshot(recv_x, recv_count, handle)  # still valid: only one LL call since
+        observed.combined = combined
+        failures += _compare(f"skewed round trip {i}", observed, expected, use_fp8)
+    # Two dispatches pending on every rank; the slow rank receives them late.
+    pending = []
+    for (inputs, _), use_fp8 in zip(sets[2:], (True, False), strict=True):
+        delay()
+        with NoHostSync():
+            recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+                inputs.x,
+                inputs.topk_idx,
+                spec.num_max_tokens,
+                buffer.num_experts,
+                use_fp8=use_fp8,
+                return_recv_hook=True,
+                **options,
+            )
+        pending.append((recv_x, recv_count, handle, hook, use_fp8))
+    delay()
+    for *_, hook, _ in pending:
+        hook()
+    for index, ((recv_x, recv_count, handle, _, use_fp8), (_, expected)) in enumerate(
+        zip(pending, sets[2:], strict=True)
+    ):
+        observed = _snapshot(recv_x, recv_count, handle)
+        failures += _compare(f"skewed pending dispatch {index}", observed, expected, use_fp8)
+    # The operation after them (it reuses the area of the first skewed round trip) is correct too.
+    inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, True, 410)
+    delay()
+    failures += _compare("after skew", _round_trip(buffer, spec, inputs, True, "direct"), expected, True)
+    return failures
+
+
 def _invalid_expert(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
     """An id >= E is treated as -1 and reported as ValueError at the next host check."""
     inputs, _ = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 92, uneven=False)
@@ -625,6 +687,7 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
                 results["bad_combine"] = _bad_combine_inputs(buffer, rank, num_ranks, spec)
                 results["invalid_expert"] = _invalid_expert(buffer, rank, num_ranks, spec)
                 results["stats"] = _stats(buffer, rank, num_ranks, spec)
+                results["skew"] = _skew(buffer, rank, num_ranks, spec)
                 results["interleave"] = _interleave_with_high_throughput(buffer, rank, num_ranks, spec)
         finally:
             buffer.destroy()
@@ -745,6 +808,11 @@ def test_invalid_expert_id_is_reported_and_the_buffer_stays_usable(ll_results: l
         kind, message = result["invalid_expert"]["after_dispatch"]
         assert kind == "ValueError" and "outside" in message, (rank, kind, message)
         assert not result["invalid_expert"]["failures"], result["invalid_expert"]["failures"]
+
+
+def test_a_slow_rank_never_has_unread_data_overwritten(ll_results: list[dict]) -> None:
+    failures = _all_failures(ll_results, "skew")
+    assert not failures, "\n".join(failures)
 
 
 def test_recv_and_wait_cost_stats_accumulate(ll_results: list[dict]) -> None:
