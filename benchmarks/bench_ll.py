@@ -8,7 +8,12 @@ bf16 combine, each timed
   * eager: send + receive in one call;
   * graph: the same call captured once in a CUDA graph and replayed;
   * hook: the send phase and the receive phase separately (return_recv_hook=True), with a device
-    barrier between them so the receive phase measures receiving, not waiting for late peers.
+    barrier between them so the receive phase measures receiving, not waiting for late peers;
+  * layers: a decode step's chain, LAYERS dispatch + combine pairs back to back with no barrier
+    between them, per pair: "rotating" captures the LAYERS pairs in one graph (LL areas in
+    rotation: a send finds its area already released), "reusing" replays a graph of one pair
+    LAYERS times (areas a, b, a, b: each send waits for its peers to start the same operation,
+    the cost the rotation removes).
 Every timed region starts right after a device barrier (all ranks start together); a run's time
 is the slowest rank's, and the figure is the median over runs.
 
@@ -39,6 +44,8 @@ from deep_ep.testing.data import make_routing, make_tokens, make_weights
 HIDDEN = 7168
 TOPK = 8
 OPERATIONS = ("dispatch", "combine")
+LAYERS = 3  # pairs per decode-step chain: 6 operations, a multiple of the 3 LL areas
+LAYER_KINDS = ("rotating", "reusing")
 MODES = ("eager", "graph", "send", "recv")
 
 
@@ -83,6 +90,25 @@ def timed_phases(buffer: Any, phases: list[Callable[[], None]], warmup: int, ite
     torch.cuda.synchronize()
     buffer._check_device_errors()
     return [[run[i][0].elapsed_time(run[i][1]) * 1e3 for run in events] for i in range(len(phases))]
+
+
+def timed_chain(buffer: Any, replays: list[Callable[[], None]], warmup: int, iters: int) -> list[float]:
+    """Per run, the time in us of calling every replay back to back (one device barrier before)."""
+    for _ in range(warmup):
+        for replay in replays:
+            replay()
+    events = []
+    for _ in range(iters):
+        buffer.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for replay in replays:
+            replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    buffer._check_device_errors()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
 
 
 def barrier_us(buffer: Any, iters: int) -> list[float]:
@@ -134,6 +160,16 @@ class RoundTrip:
     def receive(self) -> None:
         self.hook()
 
+    def capture_layers(self, num_pairs: int) -> Callable[[], None]:
+        """One graph of ``num_pairs`` dispatch + combine pairs back to back (a decode step's chain)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(num_pairs):
+                self.dispatch()
+                self.combine()
+        self._layer_graphs = [*getattr(self, "_layer_graphs", []), graph]
+        return graph.replay
+
     def capture(self) -> tuple[Callable[[], None], Callable[[], None]]:
         """Graphs of one dispatch and of the combine answering it (parities stay in step: D, C)."""
         dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -158,6 +194,14 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
     )
     trip.dispatch()
     graph = timed_phases(buffer, list(trip.capture()), warmup, iters)
+    trip.dispatch()
+    rotating = trip.capture_layers(LAYERS)
+    trip.dispatch()
+    reusing = trip.capture_layers(1)
+    layers = {
+        "rotating": [t / LAYERS for t in timed_chain(buffer, [rotating], warmup, iters)],
+        "reusing": [t / LAYERS for t in timed_chain(buffer, [reusing] * LAYERS, warmup, iters)],
+    }
     for index, operation in enumerate(OPERATIONS):
         times[operation]["eager"] = eager[index]
         times[operation]["graph"] = graph[index]
@@ -170,6 +214,7 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "num_selections": trip.num_selections,
         "num_received": received,
         "times_us": times,
+        "layer_pair_us": layers,
     }
 
 
@@ -247,6 +292,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                     floor_us = max(floor_us, moved / (bandwidth[gpu] * 1e9) * 1e6)
                 floor_us += barrier
                 times = {mode: slowest_rank_median([e["times_us"][operation][mode] for e in entries]) for mode in MODES}
+                pair = {kind: slowest_rank_median([e["layer_pair_us"][kind] for e in entries]) for kind in LAYER_KINDS}
                 bytes_per_rank = [per_selection * entry["num_selections"] for entry in entries]
                 mean_bytes = sum(bytes_per_rank) / len(bytes_per_rank)
                 rows.append(
@@ -261,6 +307,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                         "floor_us": floor_us,
                         "floor_fraction_eager": floor_us / times["eager"],
                         "floor_fraction_graph": floor_us / times["graph"],
+                        "layer_pair_us": pair,  # dispatch + combine, back to back (same on both rows)
                     }
                 )
     return {
@@ -314,13 +361,17 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
         f"copy bandwidth {summary['copy_gbs_per_gpu']} GB/s, barrier {summary['barrier_us']:.1f} us, "
         f"SM cap per rank {summary['sm_cap_per_rank']}"
     )
-    print(f"{'E':>4} {'T':>4} {'op':<9} {'eager':>7} {'graph':>7} {'send':>7} {'recv':>7} {'GB/s':>7} {'floor':>6}")
+    print(
+        f"{'E':>4} {'T':>4} {'op':<9} {'eager':>7} {'graph':>7} {'send':>7} {'recv':>7} {'GB/s':>7} {'floor':>6}"
+        f"  pair in a chain: {'rotating':>8} {'reusing':>8}"
+    )
     for row in summary["rows"]:
-        t = row["time_us"]
+        t, pair = row["time_us"], row["layer_pair_us"]
+        chain = f"  {'':16}{pair['rotating']:>8.1f} {pair['reusing']:>8.1f}" if row["operation"] == "dispatch" else ""
         print(
             f"{row['num_experts']:>4} {row['num_tokens']:>4} {row['operation']:<9} {t['eager']:>7.1f} "
             f"{t['graph']:>7.1f} {t['send']:>7.1f} {t['recv']:>7.1f} {row['gbs_per_rank_graph']:>7.1f} "
-            f"{row['floor_fraction_graph']:>6.2f}"
+            f"{row['floor_fraction_graph']:>6.2f}{chain}"
         )
 
 
