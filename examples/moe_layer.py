@@ -394,10 +394,15 @@ class MoELayer(torch.nn.Module):
 
 
 def make_buffer(
-    group: Any, cfg: MoEConfig, num_max_tokens_per_rank: int, num_max_dispatch_tokens_per_rank: int = 0
+    group: Any,
+    cfg: MoEConfig,
+    num_max_tokens_per_rank: int,
+    num_max_dispatch_tokens_per_rank: int = 0,
+    num_gpu_timeout_secs: float | None = None,
 ) -> deep_ep.ElasticBuffer:
     """A buffer for ``MoELayer``: HT for ``num_max_tokens_per_rank`` tokens, LL (when > 0) for
-    ``num_max_dispatch_tokens_per_rank``. Collective; call ``destroy()`` on every rank."""
+    ``num_max_dispatch_tokens_per_rank``; ``num_gpu_timeout_secs`` None: the library's default.
+    Collective; call ``destroy()`` on every rank."""
     return deep_ep.ElasticBuffer(
         group,
         num_max_tokens_per_rank=num_max_tokens_per_rank,
@@ -405,6 +410,7 @@ def make_buffer(
         num_topk=cfg.num_topk,
         num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         num_experts=cfg.num_experts,
+        num_gpu_timeout_secs=num_gpu_timeout_secs,
         explicitly_destroy=True,
     )
 
@@ -467,6 +473,7 @@ class CheckConfig:
     )
     num_tokens: int = 128  # per rank; also the LL cap, so the decode path runs on the same tokens
     seed: int = 0
+    gpu_timeout_secs: float | None = None  # the buffer's device wait deadline (None: library default)
 
 
 def group_tokens(
@@ -611,7 +618,7 @@ def check_rank(rank: int, num_ranks: int, group: Any, config: CheckConfig, buffe
     first = config.variants[0][1]
     own_buffer = buffer is None
     if own_buffer:
-        buffer = make_buffer(group, first, config.num_tokens, config.num_tokens)
+        buffer = make_buffer(group, first, config.num_tokens, config.num_tokens, config.gpu_timeout_secs)
     try:
         results = {}
         for name, cfg in config.variants:
