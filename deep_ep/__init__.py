@@ -19,6 +19,7 @@ from deep_ep.config import (  # noqa: E402
     get_dispatch_config,
     get_low_latency_rdma_size_hint,
 )
+from deep_ep.domains import get_logical_domain_size, get_physical_domain_size  # noqa: E402
 from deep_ep.errors import BufferTooSmallError, CommTimeoutError, PeerInputError  # noqa: E402
 from deep_ep.event import EventOverlap  # noqa: E402
 from deep_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8  # noqa: E402
@@ -58,7 +59,9 @@ __all__ = [
     "__version__",
     "get_combine_config",
     "get_dispatch_config",
+    "get_logical_domain_size",
     "get_low_latency_rdma_size_hint",
+    "get_physical_domain_size",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "topk_idx_t",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -18,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import _C
+from deep_ep.domains import local_rank_facts
 from deep_ep.errors import CommTimeoutError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import HighThroughputMixin
 from deep_ep.low_latency import LowLatencyMixin
 from deep_ep.topology import (
-    RankFacts,
     build_topology,
     choose_backend,
     choose_scaleout_transport,
@@ -172,10 +171,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             )
         except (ValueError, TypeError) as error:
             local_error = (type(error).__name__, str(error))
-        properties = torch.cuda.get_device_properties(self.device)
-        facts = RankFacts(
-            host=socket.gethostname(), device_uuid=str(properties.uuid), sm_count=properties.multi_processor_count
-        )
+        facts = local_rank_facts()
         gathered: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(gathered, (facts, settings, local_error), group=group)
         _raise_if_any_rank_failed("settings check", [item[2] for item in gathered])
@@ -236,7 +232,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             if self.ht_mode == "hybrid"
             else None
         )
-        self._max_num_sms = sm_cap(properties.multi_processor_count, topology.ranks_per_gpu)
+        self._max_num_sms = sm_cap(facts.sm_count, topology.ranks_per_gpu)
         if topology.ranks_per_gpu > 1:
             global _warned_no_mps
             if not mps_is_running() and not _warned_no_mps:
