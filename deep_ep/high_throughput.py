@@ -175,22 +175,48 @@ class HighThroughputMixin:
 
     # ------------------------------------------------------------------ estimates
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        """Fewest SMs that keep the link saturated for HT (deep_ep.plan.estimates), capped at this
-        rank's SM share. Direct mode: all ranks form one load/store domain."""
+    def get_theoretical_num_sms(
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0.0,
+        nvlink_gbs: float = 0.0,
+        sm_read_gbs: float = 200.0,
+        sm_write_gbs: float = 0.0,
+    ) -> int:
+        """Fewest SMs that keep the bottleneck link saturated for HT (deep_ep.plan.estimates) on this
+        buffer's topology (direct: one load/store domain; hybrid: nodes of ``num_scaleup_ranks``),
+        capped at this rank's SM share. DeepEP V2's arguments: ``num_scaleout_topk`` must be 0 (the
+        model assumes balanced, not node-limited, routing, as V2's does); ``rdma_gbs`` 0: the
+        scale-out link is not a bottleneck; ``nvlink_gbs`` 0: this machine's link (H200 NVLink, or
+        HBM when ranks share a GPU); ``sm_write_gbs`` 0: the rate calibrated on our kernels."""
+        if num_scaleout_topk != 0:
+            raise ValueError(
+                f"num_scaleout_topk must be 0 (the estimate assumes balanced routing, as DeepEP V2's), "
+                f"got {num_scaleout_topk!r}"
+            )
+        for name, value in (("rdma_gbs", rdma_gbs), ("nvlink_gbs", nvlink_gbs), ("sm_read_gbs", sm_read_gbs)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if not isinstance(sm_write_gbs, (int, float)) or sm_write_gbs < 0:
+            raise ValueError(f"sm_write_gbs must be a number >= 0, got {sm_write_gbs!r}")
         cache = self.__dict__.setdefault("_num_sms_estimates", {})
-        key = (num_experts, num_topk)
+        key = (num_experts, num_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key not in cache:
             topology = getattr(self, "topology", None)
             shares_gpu = topology is not None and topology.ranks_per_gpu > 1
+            num_scaleout = getattr(self, "num_scaleout_ranks", 1)
             num_sms = theoretical_num_sms(
                 num_experts,
                 num_topk,
                 self.num_ranks,
-                self.num_ranks,
-                1,
-                nvlink_gbs=SHARED_GPU_GBS if shares_gpu else NVLINK_GBS,
-                sm_write_gbs=DIRECT_SM_WRITE_GBS,
+                self.num_ranks // num_scaleout,
+                num_scaleout,
+                nvlink_gbs=nvlink_gbs or (SHARED_GPU_GBS if shares_gpu else NVLINK_GBS),
+                rdma_gbs=rdma_gbs,
+                sm_read_gbs=sm_read_gbs or 200.0,
+                sm_write_gbs=sm_write_gbs or DIRECT_SM_WRITE_GBS,
                 prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
                 device_sms=self._max_num_sms,
             )
@@ -198,8 +224,8 @@ class HighThroughputMixin:
         return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """Queue pairs DeepEP would request for ``num_sms`` (direct mode: no scale-out traffic)."""
-        return theoretical_num_qps(num_sms, hybrid=False)
+        """Queue pairs DeepEP would request for ``num_sms`` (informational: none are created here)."""
+        return theoretical_num_qps(num_sms, hybrid=getattr(self, "num_scaleout_ranks", 1) > 1)
 
     # ------------------------------------------------------------------ dispatch
 
