@@ -60,6 +60,11 @@ def test_launch_gives_each_rank_a_share_of_the_cores():
 def _last_rank_exits(rank, num_ranks, group):
     import os
 
+    import torch.distributed as dist
+
+    # Every connection of the group is up before a rank leaves: a rank that exits while a peer is
+    # still connecting to it fails that peer's process-group setup (seen on a loaded CI machine).
+    dist.barrier(group=group)
     if rank == num_ranks - 1:
         os._exit(0)
     return rank
