@@ -308,6 +308,30 @@ def _ht_dispatch(
     return recv_x, recv_topk_idx, recv_topk_weights, _pack(handle), handle.recv_src_metadata, expanded, expert_counts
 
 
+def _fake_dispatch_outputs(
+    x: torch.Tensor,
+    buffer: Any,
+    num_topk: int,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    expert_alignment: int,
+    do_expand: bool,
+    with_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Fake ``(recv_x, recv_topk_idx, recv_topk_weights)`` of a dispatch without CPU sync (worst-case
+    rows; the uncached and the cached op return the same), and the worst-case received row count."""
+    num_rows, num_expanded = worst_case_rows(
+        buffer.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
+    )
+    recv_x = x.new_empty((num_expanded if do_expand else num_rows, x.shape[1]))
+    recv_topk_idx = x.new_empty((0, num_topk) if do_expand else (num_rows, num_topk), dtype=torch.int64)
+    if not with_weights:
+        weights_shape: tuple = (0,)
+    else:
+        weights_shape = (num_expanded,) if do_expand else (num_rows, num_topk)
+    return recv_x, recv_topk_idx, x.new_empty(weights_shape, dtype=torch.float32), num_rows
+
+
 @_ht_dispatch.register_fake
 def _ht_dispatch_fake(
     x, topk_idx, topk_weights, buffer_id, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, do_expand
@@ -315,17 +339,9 @@ def _ht_dispatch_fake(
     buffer = _lookup(buffer_id)
     num_tokens, hidden = x.shape
     num_topk = topk_idx.shape[1]
-    num_rows, num_expanded = worst_case_rows(
-        buffer.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
+    recv_x, recv_topk_idx, recv_topk_weights, num_rows = _fake_dispatch_outputs(
+        x, buffer, num_topk, num_experts, num_max_tokens_per_rank, expert_alignment, do_expand, topk_weights is not None
     )
-    rows = num_expanded if do_expand else num_rows
-    recv_x = x.new_empty((rows, hidden))
-    recv_topk_idx = x.new_empty((0, num_topk) if do_expand else (num_rows, num_topk), dtype=torch.int64)
-    if topk_weights is None:
-        weights_shape: tuple = (0,)
-    else:
-        weights_shape = (num_expanded,) if do_expand else (num_rows, num_topk)
-    recv_topk_weights = x.new_empty(weights_shape, dtype=torch.float32)
     ints = _routing_ints(buffer, num_tokens, hidden, num_topk, num_experts, num_max_tokens_per_rank)
     routing = x.new_empty((ints,), dtype=torch.int32)
     metadata = x.new_empty((num_rows, _C.HT_SRC_METADATA_COLUMNS), dtype=torch.int32)
@@ -391,17 +407,17 @@ def _ht_cached_dispatch_fake(
     do_expand,
     num_sms,
 ):
-    buffer = _lookup(buffer_id)
-    num_rows, num_expanded = worst_case_rows(
-        buffer.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
+    recv_x, recv_topk_idx, recv_topk_weights, _ = _fake_dispatch_outputs(
+        x,
+        _lookup(buffer_id),
+        num_topk,
+        num_experts,
+        num_max_tokens_per_rank,
+        expert_alignment,
+        do_expand,
+        topk_weights is not None,
     )
-    recv_x = x.new_empty((num_expanded if do_expand else num_rows, x.shape[1]))
-    recv_topk_idx = x.new_empty((0, num_topk) if do_expand else (num_rows, num_topk), dtype=torch.int64)
-    if topk_weights is None:
-        weights_shape: tuple = (0,)
-    else:
-        weights_shape = (num_expanded,) if do_expand else (num_rows, num_topk)
-    return recv_x, recv_topk_idx, x.new_empty(weights_shape, dtype=torch.float32)
+    return recv_x, recv_topk_idx, recv_topk_weights
 
 
 @torch.library.custom_op("deep_ep::ht_combine", mutates_args=())
