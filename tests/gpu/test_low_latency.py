@@ -7,18 +7,16 @@ torch.cuda.set_sync_debug_mode("error"), so a host synchronisation anywhere in t
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from ll_calls import NoHostSync, ll_combine_call, ll_dispatch_call, ll_expert_output
+from rank_results import capture, guarded, launch_once
 
 import deep_ep
 from deep_ep.fp8 import pack_ue8m0
-from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
 
@@ -309,15 +307,6 @@ def _compare(label: str, observed: Observed, expected: Expected, use_fp8: bool) 
     return failures
 
 
-def _capture(fn: Callable[[], Any]) -> tuple[str | None, str]:
-    """(exception type name, message) of what fn raised, or (None, '')."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return type(exc).__name__, str(exc)
-    return None, ""
-
-
 # ---------------------------------------------------------------------------------- scenarios
 
 
@@ -373,7 +362,7 @@ def _outstanding(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> di
                 return_recv_hook=True,
             )
             pending.append((recv_x, recv_count, handle, hook))
-    third = _capture(
+    third = capture(
         lambda: buffer.low_latency_dispatch(
             cases[2][0].x, cases[2][0].topk_idx, spec.num_max_tokens, buffer.num_experts, return_recv_hook=True
         )
@@ -381,7 +370,7 @@ def _outstanding(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> di
     with NoHostSync():
         for *_, hook in pending:
             hook()
-    twice = _capture(pending[0][3])
+    twice = capture(pending[0][3])
     failures = []
     observed = [_snapshot(recv_x, recv_count, handle) for recv_x, recv_count, handle, _ in pending]
     combine_hooks = []
@@ -437,7 +426,7 @@ def _bad_inputs(buffer: Any, spec: BufferSpec) -> dict:
         ),
         "async_and_hook": lambda: dispatch(x, idx, cap, num_experts, async_finish=True, return_recv_hook=True),
     }
-    return {name: _capture(call) for name, call in calls.items()}
+    return {name: capture(call) for name, call in calls.items()}
 
 
 def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> dict:
@@ -464,13 +453,13 @@ def _bad_combine_inputs(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec
         # dispatch each time keeps the handle within its two-operation lifetime.
         recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
         y = ll_expert_output(recv_x, True)
-        results[name] = _capture(lambda call=call, y=y, handle=handle: call(y, handle))
+        results[name] = capture(lambda call=call, y=y, handle=handle: call(y, handle))
     # Two refusals after a dispatch are two LL operations: its handle is stale then.
     recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
     y = ll_expert_output(recv_x, True)
     for _ in range(2):
-        _capture(lambda: calls["x_shape"](y, handle))
-    results["stale_after_refusals"] = _capture(lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle))
+        capture(lambda: calls["x_shape"](y, handle))
+    results["stale_after_refusals"] = capture(lambda: combine(y, inputs.topk_idx, inputs.topk_weights, handle))
     inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 8, spec.topk(num_ranks), True, 95, uneven=False)
     results["failures_after"] = _compare(
         "after refused combines", _round_trip(buffer, spec, inputs, True, "direct"), expected, True
@@ -591,10 +580,10 @@ def _invalid_expert(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) ->
     inputs_bad = Inputs(inputs.x, bad, inputs.topk_weights)
     recv_x, _, handle = _dispatch(buffer, spec, inputs_bad, True, "direct")
     torch.cuda.synchronize()
-    after_dispatch = _capture(buffer._check_device_errors)
+    after_dispatch = capture(buffer._check_device_errors)
     _combine(buffer, ll_expert_output(recv_x, True), inputs_bad, handle, "direct")
     torch.cuda.synchronize()
-    _capture(buffer._check_device_errors)  # the combine saw the same id: clear it
+    capture(buffer._check_device_errors)  # the combine saw the same id: clear it
     # The buffer stays usable: a clean round trip still matches the reference.
     clean_inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, spec.topk(num_ranks), True, 93)
     failures = _compare("after invalid id", _round_trip(buffer, spec, clean_inputs, True, "direct"), expected, True)
@@ -660,16 +649,6 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
-def _guarded(results: dict, name: str, fn: Callable[[], Any]) -> None:
-    """Run one scenario; an exception is recorded (with its traceback) instead of ending the rank.
-
-    Only for scenarios that raise before or after, never in the middle of, a collective kernel."""
-    try:
-        results[name] = fn()
-    except Exception:  # noqa: BLE001 - reported by the test that reads this scenario
-        results[name] = {"exception": traceback.format_exc()}
-
-
 def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
     results: dict[str, Any] = {}
     for spec, cases in SPECS:
@@ -683,7 +662,7 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
                 results["graph_hook"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=True)
             if spec.with_high_throughput:
                 results["outstanding"] = _outstanding(buffer, rank, num_ranks, spec)
-                _guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
+                guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
                 results["bad_combine"] = _bad_combine_inputs(buffer, rank, num_ranks, spec)
                 results["invalid_expert"] = _invalid_expert(buffer, rank, num_ranks, spec)
                 results["stats"] = _stats(buffer, rank, num_ranks, spec)
@@ -697,21 +676,11 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
 
 # ------------------------------------------------------------------------------------- tests
 
-_RESULTS: dict[int, Any] = {}
-
 
 @pytest.fixture
 def ll_results(num_ranks: int) -> list[dict]:
     """Per-rank results of the whole scenario list, run once per rank count."""
-    if num_ranks not in _RESULTS:
-        try:
-            _RESULTS[num_ranks] = launch(_rank_main, num_ranks)
-        except Exception as exc:  # noqa: BLE001 - every test of this rank count reports it
-            _RESULTS[num_ranks] = exc
-    value = _RESULTS[num_ranks]
-    if isinstance(value, Exception):
-        raise value
-    return value
+    return launch_once(_rank_main, num_ranks)
 
 
 def _all_failures(ll_results: list[dict], key: str) -> list[str]:

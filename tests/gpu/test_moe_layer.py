@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import moe_layer  # noqa: E402  (examples/ is not a package)
-
-from deep_ep.testing import launch  # noqa: E402
+from rank_results import launch_once  # noqa: E402
 
 # A device wait that never ends fails in 30 s naming the peer and phase (CommTimeoutError), and the
 # launch as a whole gets 300 s: at 4 and 8 ranks on one H200 this test did not finish within 100 s
@@ -42,21 +40,11 @@ from deep_ep.testing import launch  # noqa: E402
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
 LAUNCH_TIMEOUT_SECS = 300.0
 
-_RESULTS: dict[int, Any] = {}
-
 
 @pytest.fixture
 def moe_results(num_ranks: int) -> list[dict]:
     """Per-rank ``check_rank`` results, run once per rank count."""
-    if num_ranks not in _RESULTS:
-        try:
-            _RESULTS[num_ranks] = launch(moe_layer.check_rank, num_ranks, CONFIG, timeout_secs=LAUNCH_TIMEOUT_SECS)
-        except Exception as exc:  # noqa: BLE001 - every test of this rank count reports it
-            _RESULTS[num_ranks] = exc
-    value = _RESULTS[num_ranks]
-    if isinstance(value, Exception):
-        raise value
-    return value
+    return launch_once(moe_layer.check_rank, num_ranks, CONFIG, timeout_secs=LAUNCH_TIMEOUT_SECS)
 
 
 def _error_failures(per_rank: list[dict], prefix: str) -> list[str]:

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from ll_calls import NoHostSync, ll_expert_output
+from rank_results import capture, guarded, launch_once
 
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.fp8 import pack_ue8m0
-from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
 from deep_ep.v1_buffer import RANK_MASKING_ISSUE, Buffer, LowLatencyDispatchHandle
@@ -300,22 +298,6 @@ def _round_trip(
     checks.equal("zero-copy combined_x", combined, expected.combined)
 
 
-def _capture(fn: Callable[[], Any]) -> tuple[str | None, str]:
-    """(exception type name, message) of what fn raised, or (None, '')."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return type(exc).__name__, str(exc)
-    return None, ""
-
-
-def _guarded(results: dict, name: str, fn: Callable[[], Any]) -> None:
-    try:
-        results[name] = fn()
-    except Exception:  # noqa: BLE001 - reported by the test that reads this scenario
-        results[name] = {"exception": traceback.format_exc()}
-
-
 # ---------------------------------------------------------------------------------- scenarios
 
 
@@ -323,11 +305,11 @@ def _first_call_under_capture(buffer: Buffer, rank: int, num_ranks: int) -> dict
     """The first LL call builds the window: refused inside CUDA-graph capture, before anything."""
     inputs, _ = _inputs_and_reference(rank, num_ranks, 11, use_fp8=True, num_tokens=8, uneven=False)
 
-    def capture() -> None:
+    def dispatch_in_capture() -> None:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, T_LL, NUM_EXPERTS)
 
-    kind, message = _capture(capture)
+    kind, message = capture(dispatch_in_capture)
     return {"kind": kind, "message": message, "sizing_after": buffer.low_latency_sizing}
 
 
@@ -366,23 +348,23 @@ def _refusals(buffer: Buffer, rank: int, num_ranks: int) -> dict:
     inputs, _ = _inputs_and_reference(rank, num_ranks, 31, use_fp8=True, num_tokens=8, uneven=False)
     x, idx = inputs.x, inputs.topk_idx
     results: dict[str, Any] = {}
-    results["other_cap"] = _capture(lambda: buffer.low_latency_dispatch(x, idx, T_LL + 1, NUM_EXPERTS))
+    results["other_cap"] = capture(lambda: buffer.low_latency_dispatch(x, idx, T_LL + 1, NUM_EXPERTS))
     other_hidden = torch.zeros(x.shape[0], HIDDEN - 1024, dtype=torch.bfloat16, device=x.device)
-    results["other_hidden"] = _capture(lambda: buffer.low_latency_dispatch(other_hidden, idx, T_LL, NUM_EXPERTS))
-    results["other_experts"] = _capture(lambda: buffer.low_latency_dispatch(x, idx, T_LL, 2 * NUM_EXPERTS))
+    results["other_hidden"] = capture(lambda: buffer.low_latency_dispatch(other_hidden, idx, T_LL, NUM_EXPERTS))
+    results["other_experts"] = capture(lambda: buffer.low_latency_dispatch(x, idx, T_LL, 2 * NUM_EXPERTS))
 
     checks = Checks("logfmt")
     recv_x, _, handle = _dispatch(buffer, inputs, LLCase(True, False, False, "direct"), checks)
     y = ll_expert_output(recv_x, True)
-    results["logfmt"] = _capture(
+    results["logfmt"] = capture(
         lambda: buffer.low_latency_combine(y, idx, inputs.topk_weights, handle, use_logfmt=True)
     )
-    results["clean"] = _capture(lambda: buffer.clean_low_latency_buffer(T_LL, HIDDEN, NUM_EXPERTS))
-    results["clean_other"] = _capture(lambda: buffer.clean_low_latency_buffer(T_LL, HIDDEN, 2 * NUM_EXPERTS))
+    results["clean"] = capture(lambda: buffer.clean_low_latency_buffer(T_LL, HIDDEN, NUM_EXPERTS))
+    results["clean_other"] = capture(lambda: buffer.clean_low_latency_buffer(T_LL, HIDDEN, 2 * NUM_EXPERTS))
     results["masks"] = [
-        _capture(lambda: buffer.low_latency_update_mask_buffer(0, True)),
-        _capture(lambda: buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int32))),
-        _capture(buffer.low_latency_clean_mask_buffer),
+        capture(lambda: buffer.low_latency_update_mask_buffer(0, True)),
+        capture(lambda: buffer.low_latency_query_mask_buffer(torch.zeros(num_ranks, dtype=torch.int32))),
+        capture(buffer.low_latency_clean_mask_buffer),
     ]
     # Still in step: a clean round trip after every refusal.
     case = LLCase(True, True, False, "hook")
@@ -476,17 +458,17 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
     try:
         results["before_first_call"] = {
             "sizing": buffer.low_latency_sizing,
-            "rdma_view": _capture(lambda: buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)),
-            "combine_buffer": _capture(lambda: buffer.get_next_low_latency_combine_buffer(None)),
+            "rdma_view": capture(lambda: buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)),
+            "combine_buffer": capture(lambda: buffer.get_next_low_latency_combine_buffer(None)),
         }
-        _guarded(results, "capture", lambda: _first_call_under_capture(buffer, rank, num_ranks))
+        guarded(results, "capture", lambda: _first_call_under_capture(buffer, rank, num_ranks))
         results["cases"] = _cases(buffer, rank, num_ranks, stats)
         results["stats"] = {name: tensor.tolist() for name, tensor in stats.items()}
-        _guarded(results, "windows", lambda: _windows(buffer, num_ranks))
+        guarded(results, "windows", lambda: _windows(buffer, num_ranks))
         results["refusals"] = _refusals(buffer, rank, num_ranks)
         results["graph"] = _graph(buffer, rank, num_ranks)
         # Every refusal happened on every rank: no peer report is left over.
-        results["errors_after"] = _capture(buffer._ll_core.check_errors)
+        results["errors_after"] = capture(buffer._ll_core.check_errors)
     finally:
         buffer.destroy()
     torch.cuda.empty_cache()
@@ -496,21 +478,11 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
 
 # ------------------------------------------------------------------------------------- tests
 
-_RESULTS: dict[int, Any] = {}
-
 
 @pytest.fixture
 def v1_ll_results(num_ranks: int) -> list[dict]:
     """Per-rank results of the whole sequence, run once per rank count."""
-    if num_ranks not in _RESULTS:
-        try:
-            _RESULTS[num_ranks] = launch(_rank_main, num_ranks)
-        except Exception as exc:  # noqa: BLE001 - every test of this rank count reports it
-            _RESULTS[num_ranks] = exc
-    value = _RESULTS[num_ranks]
-    if isinstance(value, Exception):
-        raise value
-    return value
+    return launch_once(_rank_main, num_ranks)
 
 
 def _no_exception(rank: int, value: Any) -> None:
@@ -539,10 +511,10 @@ def test_the_first_call_builds_the_window_and_refuses_graph_capture(v1_ll_result
         assert before["sizing"] is None
         assert before["rdma_view"][0] == "RuntimeError" and "first low_latency_dispatch" in before["rdma_view"][1]
         assert before["combine_buffer"][0] == "RuntimeError"
-        capture = result["capture"]
-        _no_exception(rank, capture)
-        assert capture["kind"] == "RuntimeError" and "CUDA-graph capture" in capture["message"], (rank, capture)
-        assert capture["sizing_after"] is None, "nothing was built inside the capture"
+        refused = result["capture"]
+        _no_exception(rank, refused)
+        assert refused["kind"] == "RuntimeError" and "CUDA-graph capture" in refused["message"], (rank, refused)
+        assert refused["sizing_after"] is None, "nothing was built inside the capture"
         _no_exception(rank, result["windows"])
         assert not result["windows"], f"rank {rank}: " + "\n".join(result["windows"])
 
