@@ -32,6 +32,7 @@ from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import _counts_layout
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
+from deep_ep.testing.reference_experts import expert_rows, expert_rows_expanded, leaf, step_loss, step_results
 from deep_ep.testing.reference_inputs import align_up
 
 # ---------------------------------------------------------------------------------------------- fake group
@@ -311,36 +312,6 @@ def run_ranks(num_ranks: int, fn, *args):
 # ---------------------------------------------------------------------------------------------- the MoE step
 
 
-def expert_scale(experts: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` multiplies by ``1 + e / 16`` (fp32)."""
-    return 1.0 + experts.to(torch.float32) / 16.0
-
-
-def expert_rows(x, local_idx, weights, rank: int, num_local: int, gain=None) -> torch.Tensor:
-    """Non-expand rows at ``rank``: ``bf16(gain * sum_k w_k * (x * scale_k))`` over the local slots,
-    fp32, k ascending. ``gain`` (fp32 ``[H]``) is the rank's learnable parameter applied to every
-    row, as a dense layer is: its gradient sums over all rows, so garbage (NaN) in a row past the
-    valid ones, in the forward or in the gradient, reaches it."""
-    xf = x.float()
-    acc = torch.zeros_like(xf)
-    for k in range(local_idx.shape[1]):
-        local = local_idx[:, k]
-        term = xf * expert_scale(rank * num_local + local.clamp(min=0)).unsqueeze(1)
-        if weights is not None:
-            term = weights[:, k : k + 1] * term
-        acc = acc + torch.where((local >= 0).unsqueeze(1), term, 0.0)
-    return (acc if gain is None else acc * gain).to(torch.bfloat16)
-
-
-def expert_rows_expanded(x, row_local, weights, rank: int, num_local: int, gain=None) -> torch.Tensor:
-    """Expand rows (one (token, local expert) pair each; ``row_local`` -1 for padding)."""
-    term = x.float() * expert_scale(rank * num_local + row_local.clamp(min=0)).unsqueeze(1)
-    if weights is not None:
-        term = weights.unsqueeze(1) * term
-    y = torch.where((row_local >= 0).unsqueeze(1), term, 0.0)
-    return (y if gain is None else y * gain).to(torch.bfloat16)
-
-
 @dataclass(frozen=True)
 class Case:
     num_ranks: int
@@ -381,36 +352,14 @@ def case_inputs(case: Case):
     return data, grads, weight_grads, biases, gains
 
 
-def _leaf(tensor):
-    return None if tensor is None else tensor.clone().requires_grad_(True)
-
-
-def _loss(out, combined_weights, grad, weight_grad):
-    loss = (out.float() * grad).sum()
-    if combined_weights is not None:
-        loss = loss + (combined_weights * weight_grad).sum()
-    return loss
-
-
-def _results(out, combined_weights, x, w, biases, gain_grad=None):
-    return {
-        "gain_grad": gain_grad,
-        "out": out.detach(),
-        "combined_weights": None if combined_weights is None else combined_weights.detach(),
-        "x_grad": x.grad,
-        "w_grad": None if w is None else w.grad,
-        "bias_grads": [b.grad for b in biases],
-    }
-
-
 def library_step(buffer, case: Case, use_ops: bool):
     """One MoE step on this rank through deep_ep.autograd (or deep_ep.ops): forward and backward."""
     data, grads, weight_grads, biases, gains = case_inputs(case)
     rank = buffer.rank_idx
-    gain = _leaf(gains[rank])
-    x = _leaf(data.x[rank])
-    w = _leaf(None if data.topk_weights is None else data.topk_weights[rank])
-    bias = [_leaf(b) for b in biases[rank]]
+    gain = leaf(gains[rank])
+    x = leaf(data.x[rank])
+    w = leaf(None if data.topk_weights is None else data.topk_weights[rank])
+    bias = [leaf(b) for b in biases[rank]]
     kwargs = {
         "num_max_tokens_per_rank": case.num_max_tokens,
         "expert_alignment": case.expert_alignment,
@@ -435,8 +384,8 @@ def library_step(buffer, case: Case, use_ops: bool):
     bias_arg = None if not bias else (bias[0] if len(bias) == 1 else tuple(bias))
     combine = ep_ops.combine if use_ops else ep_autograd.combine
     out, combined_weights = combine(buffer, y, handle, topk_weights=combine_weights, bias=bias_arg)
-    _loss(out, combined_weights, grads[rank], weight_grads[rank]).backward()
-    return _results(out, combined_weights, x, w, bias, gain.grad)
+    step_loss(out, combined_weights, grads[rank], weight_grads[rank]).backward()
+    return step_results(out, combined_weights, x, w, bias, gain.grad)
 
 
 class Fanout(torch.autograd.Function):
@@ -466,12 +415,12 @@ def dense_reference(case: Case) -> list[dict]:
     """The whole group's MoE step in one process with plain torch autograd (per source rank)."""
     data, grads, weight_grads, biases, gains = case_inputs(case)
     num_ranks, num_local = case.num_ranks, case.num_local
-    gains = [_leaf(gain) for gain in gains]
+    gains = [leaf(gain) for gain in gains]
     results = []
     for source in range(num_ranks):
-        x = _leaf(data.x[source])
-        w = _leaf(None if data.topk_weights is None else data.topk_weights[source])
-        bias = [_leaf(b) for b in biases[source]]
+        x = leaf(data.x[source])
+        w = leaf(None if data.topk_weights is None else data.topk_weights[source])
+        bias = [leaf(b) for b in biases[source]]
         routing = sanitize_topk_idx(data.topk_idx[source], case.num_experts)
         groups = num_local if case.do_expand else 1
         copies = Fanout.apply(x, num_ranks, groups)
@@ -499,8 +448,8 @@ def dense_reference(case: Case) -> list[dict]:
             acc = acc + torch.where(present.unsqueeze(1), contribution, 0.0)
         out = acc.to(torch.bfloat16)
         combined_weights = torch.where(routing >= 0, w * 2, 0.0) if case.combine_weights else None
-        _loss(out, combined_weights, grads[source], weight_grads[source]).backward()
-        results.append(_results(out, combined_weights, x, w, bias))
+        step_loss(out, combined_weights, grads[source], weight_grads[source]).backward()
+        results.append(step_results(out, combined_weights, x, w, bias))
     for rank, result in enumerate(results):  # a rank's expert gain collects every source's rows
         result["gain_grad"] = gains[rank].grad
     return results
@@ -565,7 +514,7 @@ def test_ops_match_dense_reference(case):
 
 
 def _combine_weight_gradient(buffer, use_ops: bool, do_expand: bool):
-    """combine(topk_weights=leaf): the leaf's gradient is the token's weight gradient on the slots of
+    """combine(topk_weights=weights): the leaf's gradient is the token's weight gradient on the slots of
     this rank's experts (expand: the pair's slot) and 0 elsewhere, including rows past the valid ones."""
     num_ranks, rank = buffer.num_ranks, buffer.rank_idx
     data = make_group_inputs(num_ranks, 8, 16, buffer.num_experts, 3, seed=11)
@@ -584,12 +533,12 @@ def _combine_weight_gradient(buffer, use_ops: bool, do_expand: bool):
             buffer, x, idx, w, num_max_tokens_per_rank=8, do_expand=do_expand
         )
         ep_handle, combine = handle, ep_autograd.combine
-    leaf = _leaf(recv_w)
-    out, combined = combine(buffer, recv_x, handle, topk_weights=leaf)
+    weights = leaf(recv_w)
+    out, combined = combine(buffer, recv_x, handle, topk_weights=weights)
     (combined * weight_grads[rank]).sum().backward()
     # Expected: the routing of every source decides which slots of which received row are ours.
     routings = [sanitize_topk_idx(r, buffer.num_experts) for r in data.topk_idx]
-    expected = torch.zeros_like(leaf)
+    expected = torch.zeros_like(weights)
     num_local = buffer.num_experts // num_ranks
     placeholders = [torch.zeros(r.shape[0], 8, dtype=torch.bfloat16) for r in routings]
     layout = ht_dispatch(placeholders, routings, None, buffer.num_experts, do_expand=do_expand)[rank]
@@ -604,7 +553,7 @@ def _combine_weight_gradient(buffer, use_ops: bool, do_expand: bool):
         else:
             expected[row] = torch.where(mine, weight_grads[source][token], 0.0)
     assert ep_handle.num_tokens == x.shape[0]
-    assert_bitwise("topk_weights.grad", leaf.grad, expected)
+    assert_bitwise("topk_weights.grad", weights.grad, expected)
     return True
 
 
@@ -769,7 +718,7 @@ def _compile_step(buffer, do_expand: bool):
 
 
 def _run_step(step, x, idx, w):
-    x, w = _leaf(x), _leaf(w)
+    x, w = leaf(x), leaf(w)
     out, combined_w = step(x, idx, w)
     (out.float().sum() + (combined_w * 3).sum()).backward()
     return out.detach(), combined_w.detach(), x.grad, w.grad
@@ -846,9 +795,9 @@ def test_ops_argument_errors():
 def test_dispatch_without_grad_and_none_gradients():
     # Backward still runs every collective (with zeros) when only part of the outputs is used.
     def step(buffer):
-        x = _leaf(torch.ones(4, 16, dtype=torch.bfloat16))
+        x = leaf(torch.ones(4, 16, dtype=torch.bfloat16))
         idx = torch.tensor([[0, 1]] * 4)
-        w = _leaf(torch.ones(4, 2))
+        w = leaf(torch.ones(4, 2))
         recv_x, _, recv_w, handle = ep_autograd.dispatch(buffer, x, idx, w, do_cpu_sync=buffer.rank_idx < 0)
         out, _ = ep_autograd.combine(buffer, recv_x.detach().clone(), handle)  # no grad path through x
         (recv_w.sum() + out.float().sum() * 0).backward()

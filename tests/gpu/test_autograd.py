@@ -28,6 +28,7 @@ import deep_ep.ops as ep_ops
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_dispatch, sanitize_topk_idx
+from deep_ep.testing.reference_experts import expert_rows, expert_rows_expanded, leaf, step_loss, step_results
 
 HIDDEN = 256
 MAX_TOKENS = 128
@@ -35,35 +36,6 @@ MAX_TOPK = 4
 
 
 # ---------------------------------------------------------------------------------------------- the step
-
-
-def expert_scale(experts: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` multiplies by ``1 + e / 16`` (fp32)."""
-    return 1.0 + experts.to(torch.float32) / 16.0
-
-
-def expert_rows(x, local_idx, weights, rank: int, num_local: int, gain=None) -> torch.Tensor:
-    """Non-expand rows at ``rank``: ``bf16(gain * sum_k w_k * (x * scale_k))`` over the local slots
-    (fp32, k ascending). ``gain`` (fp32 ``[H]``, learnable) multiplies every row, as a dense layer
-    would: NaN in a row past the valid ones (forward or gradient) would reach its gradient."""
-    xf = x.float()
-    acc = torch.zeros_like(xf)
-    for k in range(local_idx.shape[1]):
-        local = local_idx[:, k]
-        term = xf * expert_scale(rank * num_local + local.clamp(min=0)).unsqueeze(1)
-        if weights is not None:
-            term = weights[:, k : k + 1] * term
-        acc = acc + torch.where((local >= 0).unsqueeze(1), term, 0.0)
-    return (acc if gain is None else acc * gain).to(torch.bfloat16)
-
-
-def expert_rows_expanded(x, row_local, weights, rank: int, num_local: int, gain=None) -> torch.Tensor:
-    """Expand rows (one (token, local expert) pair each; ``row_local`` -1 for padding)."""
-    term = x.float() * expert_scale(rank * num_local + row_local.clamp(min=0)).unsqueeze(1)
-    if weights is not None:
-        term = weights.unsqueeze(1) * term
-    y = torch.where((row_local >= 0).unsqueeze(1), term, 0.0)
-    return (y if gain is None else y * gain).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -121,35 +93,13 @@ def case_inputs(case: Case, num_ranks: int):
     return xs, topk_idxs, weights, grads, weight_grads, biases, gains
 
 
-def _leaf(tensor):
-    return None if tensor is None else tensor.detach().clone().requires_grad_(True)
-
-
-def _loss(out, combined_weights, grad, weight_grad):
-    loss = (out.float() * grad).sum()
-    if combined_weights is not None:
-        loss = loss + (combined_weights * weight_grad).sum()
-    return loss
-
-
-def _results(out, combined_weights, x, w, biases, gain_grad):
-    return {
-        "out": out.detach(),
-        "combined_weights": None if combined_weights is None else combined_weights.detach(),
-        "x_grad": x.grad,
-        "w_grad": None if w is None else w.grad,
-        "bias_grads": [b.grad for b in biases],
-        "gain_grad": gain_grad,
-    }
-
-
 def library_step(buffer, rank: int, num_ranks: int, case: Case, use_ops: bool) -> dict:
     """One MoE step on this rank through deep_ep.autograd (or the custom ops), forward and backward."""
     xs, topk_idxs, weights, grads, weight_grads, biases, gains = case_inputs(case, num_ranks)
     num_experts = case.num_experts(num_ranks)
-    x, gain = _leaf(xs[rank]), _leaf(gains[rank])
-    w = _leaf(None if weights is None else weights[rank])
-    bias = [_leaf(b) for b in biases[rank]]
+    x, gain = leaf(xs[rank]), leaf(gains[rank])
+    w = leaf(None if weights is None else weights[rank])
+    bias = [leaf(b) for b in biases[rank]]
     kwargs = {
         "num_max_tokens_per_rank": MAX_TOKENS,
         "expert_alignment": case.expert_alignment,
@@ -172,8 +122,8 @@ def library_step(buffer, rank: int, num_ranks: int, case: Case, use_ops: bool) -
     combine_weights = recv_w * 2 if case.combine_weights else None
     bias_arg = None if not bias else (bias[0] if len(bias) == 1 else tuple(bias))
     out, combined_weights = combine(buffer, y, handle, topk_weights=combine_weights, bias=bias_arg)
-    _loss(out, combined_weights, grads[rank], weight_grads[rank]).backward()
-    return _results(out, combined_weights, x, w, bias, gain.grad)
+    step_loss(out, combined_weights, grads[rank], weight_grads[rank]).backward()
+    return step_results(out, combined_weights, x, w, bias, gain.grad)
 
 
 def _node_sum(contributions: list[torch.Tensor], node_size: int, acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,12 +174,12 @@ def dense_reference(case: Case, num_ranks: int, node_size: int | None = None) ->
     node_size = node_size or num_ranks
     xs, topk_idxs, weights, grads, weight_grads, biases, gains = case_inputs(case, num_ranks)
     num_local, num_experts = case.num_local, case.num_experts(num_ranks)
-    gains = [_leaf(gain) for gain in gains]
+    gains = [leaf(gain) for gain in gains]
     results = []
     for source in range(num_ranks):
-        x = _leaf(xs[source])
-        w = _leaf(None if weights is None else weights[source])
-        bias = [_leaf(b) for b in biases[source]]
+        x = leaf(xs[source])
+        w = leaf(None if weights is None else weights[source])
+        bias = [leaf(b) for b in biases[source]]
         routing = sanitize_topk_idx(topk_idxs[source], num_experts)
         groups = num_local if case.do_expand else 1
         copies = Fanout.apply(x, num_ranks, groups, node_size)
@@ -258,8 +208,8 @@ def dense_reference(case: Case, num_ranks: int, node_size: int | None = None) ->
             contributions.append(torch.where(present.unsqueeze(1), contribution, 0.0))
         out = _node_sum(contributions, node_size, acc).to(torch.bfloat16)
         combined_weights = torch.where(routing >= 0, w * 2, 0.0) if case.combine_weights else None
-        _loss(out, combined_weights, grads[source], weight_grads[source]).backward()
-        results.append(_results(out, combined_weights, x, w, bias, None))
+        step_loss(out, combined_weights, grads[source], weight_grads[source]).backward()
+        results.append(step_results(out, combined_weights, x, w, bias, None))
     for rank, result in enumerate(results):  # a rank's gain collects every source's rows
         result["gain_grad"] = gains[rank].grad
     return results
@@ -367,7 +317,7 @@ def test_hybrid_mode_matches_dense_reference(num_ranks):
 
 
 def _combine_weight_gradient(rank, num_ranks, group):
-    """combine(topk_weights=leaf) alone: the leaf's gradient is the token's weight gradient on the
+    """combine(topk_weights=weights) alone: the leaf's gradient is the token's weight gradient on the
     slots of this rank's experts (expand: the pair's slot), 0 elsewhere and in rows past the valid
     ones of a worst-case (no CPU sync) handle."""
     buffer = _buffer(group)
@@ -390,12 +340,12 @@ def _combine_weight_gradient(rank, num_ranks, group):
                     buffer, x, idx, w, num_experts, do_cpu_sync=False, **kwargs
                 )
                 combine = ep_autograd.combine
-            leaf = _leaf(recv_w)
-            _, combined = combine(buffer, recv_x, handle, topk_weights=leaf)
+            weights = leaf(recv_w)
+            _, combined = combine(buffer, recv_x, handle, topk_weights=weights)
             (combined * weight_grads[rank]).sum().backward()
             placeholders = [torch.zeros(r.shape[0], 8, dtype=torch.bfloat16, device=dev) for r in routings]
             layout = ht_dispatch(placeholders, routings, None, num_experts, do_expand=do_expand)[rank]
-            expected = torch.zeros_like(leaf)
+            expected = torch.zeros_like(weights)
             sources, tokens = layout["src_rank"], layout["src_token"]
             for source in range(num_ranks):
                 rows = (sources == source).nonzero().squeeze(1)
@@ -407,7 +357,7 @@ def _combine_weight_gradient(rank, num_ranks, group):
                     expected[rows] = torch.where(mine, grads, 0.0).sum(dim=1)
                 else:
                     expected[rows] = torch.where(mine, grads, 0.0)
-            assert_bitwise_equal(f"topk_weights.grad expand={do_expand} ops={use_ops}", leaf.grad, expected)
+            assert_bitwise_equal(f"topk_weights.grad expand={do_expand} ops={use_ops}", weights.grad, expected)
         buffer.check_errors()
     finally:
         buffer.destroy()
@@ -439,9 +389,9 @@ def _compiled_step(buffer, rank, num_ranks, do_expand):
 
 def _run(step, inputs):
     x, idx, w, gain, grad, weight_grad = inputs
-    x, w, gain = _leaf(x), _leaf(w), _leaf(gain)
+    x, w, gain = leaf(x), leaf(w), leaf(gain)
     out, combined = step(x, idx, w, gain)
-    _loss(out, combined, grad, weight_grad).backward()
+    step_loss(out, combined, grad, weight_grad).backward()
     return {
         "out": out.detach(),
         "combined": combined.detach(),
