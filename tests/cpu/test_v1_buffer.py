@@ -17,6 +17,7 @@ from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle
+from deep_ep.testing.reference_layout import dispatch_layout_by_loops
 from deep_ep.v1_buffer import (
     RANK_MASKING_ISSUE,
     Buffer,
@@ -226,28 +227,6 @@ def test_sm90_build_info_comes_from_the_extension_fatbin():
 # ------------------------------------------------------------------------------------- layout
 
 
-def _layout_by_loops(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, per_node: int):
-    num_local = num_experts // num_ranks
-    per_rank = [0] * num_ranks
-    per_node_counts = [0] * (num_ranks // per_node)
-    per_expert = [0] * num_experts
-    in_rank = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
-    for t, row in enumerate(topk_idx.tolist()):
-        experts = []
-        for e in row:
-            if 0 <= e < num_experts and e not in experts:
-                experts.append(e)
-        for e in experts:
-            per_expert[e] += 1
-        ranks = sorted({e // num_local for e in experts})
-        for r in ranks:
-            per_rank[r] += 1
-            in_rank[t, r] = True
-        for n in sorted({r // per_node for r in ranks}):
-            per_node_counts[n] += 1
-    return per_rank, per_node_counts, per_expert, in_rank
-
-
 def test_dispatch_layout_worked_example():
     # 4 ranks, 8 experts (2 per rank). Token 1 repeats expert 3 and has a -1; token 2 has nothing;
     # token 3 carries an out-of-range id (ignored, as the core treats it as -1).
@@ -273,7 +252,9 @@ def test_dispatch_layout_matches_loops_on_random_routing(num_ranks, per_node):
     num_experts = 4 * num_ranks
     topk_idx = torch.randint(-1, num_experts, (300, 6), generator=generator)
     per_rank, per_rdma, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks, per_node)
-    want_rank, want_node, want_expert, want_in_rank = _layout_by_loops(topk_idx, num_experts, num_ranks, per_node)
+    want_rank, want_node, want_expert, want_in_rank = dispatch_layout_by_loops(
+        topk_idx, num_experts, num_ranks, per_node
+    )
     assert per_rank.tolist() == want_rank
     assert per_expert.tolist() == want_expert
     assert torch.equal(in_rank, want_in_rank)

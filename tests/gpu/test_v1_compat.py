@@ -27,6 +27,7 @@ from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
+from deep_ep.testing.reference_layout import dispatch_layout_by_loops
 from deep_ep.v1_buffer import Buffer, DispatchHandle, bytes_for_tokens
 
 EMULATE_ENV = "EP_EMULATE_RANKS_PER_NODE"
@@ -119,27 +120,6 @@ def _config(num_ranks: int, kind: str):
         return SimpleNamespace(num_sms=24)
 
 
-def _layout_by_loops(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, per_node: int):
-    num_local = num_experts // num_ranks
-    per_rank, per_expert = [0] * num_ranks, [0] * num_experts
-    per_node_counts = [0] * (num_ranks // per_node)
-    in_rank = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
-    for token, row in enumerate(topk_idx.tolist()):
-        experts = []
-        for expert in row:
-            if 0 <= expert < num_experts and expert not in experts:
-                experts.append(expert)
-        for expert in experts:
-            per_expert[expert] += 1
-        ranks = sorted({expert // num_local for expert in experts})
-        for r in ranks:
-            per_rank[r] += 1
-            in_rank[token, r] = True
-        for node in sorted({r // per_node for r in ranks}):
-            per_node_counts[node] += 1
-    return per_rank, per_node_counts, per_expert, in_rank
-
-
 def _stream_kwargs(buffer: Buffer, mode: str, previous=None) -> dict:
     if mode == "sync":
         return {}
@@ -203,7 +183,7 @@ def _check_case(buffer: Buffer, rank: int, num_ranks: int, case: V1Case, per_nod
     )
     if case.mode == "async":
         _wait(layout_event, case.mode, "get_dispatch_layout")
-    want_rank, want_node, want_expert, want_in_rank = _layout_by_loops(
+    want_rank, want_node, want_expert, want_in_rank = dispatch_layout_by_loops(
         data.topk_idx[rank], num_experts, num_ranks, ranks_per_node
     )
 
