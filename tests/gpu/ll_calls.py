@@ -1,13 +1,16 @@
 """The LL calls as the GPU tests make them: every mode (direct, hook, async) through one path, with
-host synchronisation forbidden around the call itself; and the expert stand-in between them."""
+host synchronisation forbidden around the call itself; the expert stand-in between them; and a
+rank's inputs with what the reference model expects for them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deep_ep.fp8 import per_token_cast_back
+from deep_ep.testing.reference import ll_combine, ll_dispatch
 
 
 class NoHostSync:
@@ -91,3 +94,52 @@ def ll_expert_output(recv_x: Any, use_fp8: bool) -> torch.Tensor:
         y = recv_x
     factors = (torch.arange(y.shape[0], device=y.device) % 3 + 1).to(torch.bfloat16)
     return y * factors.view(-1, 1, 1)
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+@dataclass
+class Expected:
+    """This rank's part of the reference: dispatch result dict and combine output."""
+
+    dispatch: dict
+    combined: torch.Tensor
+
+
+def reference_case(
+    rank: int,
+    data: Any,
+    num_experts: int,
+    num_max_tokens: int,
+    *,
+    use_fp8: bool,
+    round_scale: bool = False,
+    recv_layout: str = "compact",
+) -> tuple[Inputs, Expected]:
+    """This rank's inputs from ``data`` (``make_group_inputs``, on the current GPU) and what the
+    reference says it receives and gets back from a combine of ``ll_expert_output``."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    xs = [x.to(device) for x in data.x]
+    idxs = [idx.to(device) for idx in data.topk_idx]
+    weights = [w.to(device) for w in data.topk_weights]
+    results = ll_dispatch(
+        xs, idxs, num_experts, num_max_tokens, use_fp8=use_fp8, round_scale=round_scale, recv_layout=recv_layout
+    )
+    ys = []
+    for dest, result in enumerate(results):
+        ys.append(ll_expert_output((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
+        if dest != rank:  # ll_combine reads only the origin of the other ranks' rows: free their payloads
+            result["x"] = result["x_scales"] = None
+    combined = ll_combine(results, ys, idxs, weights, num_experts, num_max_tokens)[rank]
+    return Inputs(xs[rank], idxs[rank], weights[rank]), Expected(results[rank], combined)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Same-size integer view (fp8 has no comparison kernels); works on any strides."""
+    views = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return tensor.view(views[tensor.dtype]) if tensor.dtype in views else tensor

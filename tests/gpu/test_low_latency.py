@@ -12,13 +12,22 @@ from typing import Any
 
 import pytest
 import torch
-from ll_calls import NoHostSync, ll_combine_call, ll_dispatch_call, ll_expert_output
+from ll_calls import (
+    Expected,
+    Inputs,
+    NoHostSync,
+    bits,
+    ll_combine_call,
+    ll_dispatch_call,
+    ll_expert_output,
+    reference_case,
+)
 from rank_results import capture, guarded, launch_once
 
 import deep_ep
 from deep_ep.fp8 import pack_ue8m0
 from deep_ep.testing.data import make_group_inputs
-from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
+from deep_ep.testing.reference import ll_valid_row_mask
 
 GPU_TIMEOUT_SECS = 60  # a protocol bug fails the run in a minute instead of hanging it
 GRAPH_REPLAYS = 200
@@ -135,21 +144,6 @@ def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int) -> deep_ep.Elasti
     )
 
 
-@dataclass
-class Inputs:
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-
-
-@dataclass
-class Expected:
-    """This rank's part of the reference: dispatch result dict and combine output."""
-
-    dispatch: dict
-    combined: torch.Tensor
-
-
 def _inputs_and_reference(
     rank: int,
     num_ranks: int,
@@ -163,7 +157,6 @@ def _inputs_and_reference(
     recv_layout: str = "compact",
     round_scale: bool = False,
 ) -> tuple[Inputs, Expected]:
-    device = _device()
     num_experts = spec.experts(num_ranks)
     kwargs: dict[str, Any] = {}
     if hot_expert:
@@ -178,20 +171,15 @@ def _inputs_and_reference(
         uneven=uneven and num_tokens > 0,
         **kwargs,
     )
-    xs = [x.to(device) for x in data.x]
-    idxs = [idx.to(device) for idx in data.topk_idx]
-    weights = [w.to(device) for w in data.topk_weights]
-    results = ll_dispatch(
-        xs, idxs, num_experts, spec.num_max_tokens, use_fp8=use_fp8, round_scale=round_scale, recv_layout=recv_layout
+    return reference_case(
+        rank,
+        data,
+        num_experts,
+        spec.num_max_tokens,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        recv_layout=recv_layout,
     )
-    ys = []
-    for dest, result in enumerate(results):
-        ys.append(ll_expert_output((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
-        if dest != rank:  # ll_combine only needs src_token of the other ranks: free the payloads
-            result["x"] = result["x_scales"] = None
-    combined = ll_combine(results, ys, idxs, weights, num_experts, spec.num_max_tokens)[rank]
-    inputs = Inputs(xs[rank], idxs[rank], weights[rank])
-    return inputs, Expected(results[rank], combined)
 
 
 @dataclass
@@ -264,11 +252,6 @@ def _round_trip(
     return observed
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    views = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-    return tensor.view(views[tensor.dtype]) if tensor.dtype in views else tensor
-
-
 def _compare(label: str, observed: Observed, expected: Expected, use_fp8: bool) -> list[str]:
     """Mismatch descriptions (empty when everything is bitwise equal on the valid rows)."""
     mine = expected.dispatch
@@ -277,7 +260,7 @@ def _compare(label: str, observed: Observed, expected: Expected, use_fp8: bool) 
 
     def check(name: str, actual: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         # Compared as raw bits (fp8 has no comparison kernels), on the valid rows when given.
-        actual, wanted = _bits(actual), _bits(wanted)
+        actual, wanted = bits(actual), bits(wanted)
         if rows is not None:
             actual, wanted = actual[rows], wanted[rows]
         if actual.shape != wanted.shape or not torch.equal(actual, wanted):
@@ -505,7 +488,7 @@ def _stats(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str
         for name, now, then in (("dispatch", dispatch_wait, before), ("combine", combine_wait, combine_before)):
             if bool((now < then).any()) or int((now - then).sum()) <= 0:
                 failures.append(f"{mode}: {name} wait cost did not grow: {then.tolist()} -> {now.tolist()}")
-        if not torch.equal(_bits(combined), _bits(expected.combined)):
+        if not torch.equal(bits(combined), bits(expected.combined)):
             failures.append(f"{mode}: combine with stats differs from the reference")
     return failures
 
@@ -639,9 +622,9 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
         mine = expected.dispatch
         valid = ll_valid_row_mask(mine).unsqueeze(-1)
         wrong = (recv_count != mine["count"]).sum()
-        wrong += ((_bits(recv_x[0]) != _bits(mine["x"])) & valid).sum()
-        wrong += ((_bits(recv_x[1]) != _bits(mine["x_scales"])) & valid).sum()
-        wrong += (_bits(combined) != _bits(expected.combined)).sum()
+        wrong += ((bits(recv_x[0]) != bits(mine["x"])) & valid).sum()
+        wrong += ((bits(recv_x[1]) != bits(mine["x_scales"])) & valid).sum()
+        wrong += (bits(combined) != bits(expected.combined)).sum()
         mismatches[index] += wrong
     counts = mismatches.tolist()
     failures += [f"graph replays of input set {i}: {n} wrong elements" for i, n in enumerate(counts) if n]

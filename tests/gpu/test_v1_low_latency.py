@@ -24,14 +24,14 @@ from typing import Any
 
 import pytest
 import torch
-from ll_calls import NoHostSync, ll_expert_output
+from ll_calls import Expected, Inputs, NoHostSync, bits, ll_expert_output, reference_case
 from rank_results import capture, guarded, launch_once
 
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.fp8 import pack_ue8m0
 from deep_ep.testing.data import make_group_inputs
-from deep_ep.testing.reference import ll_combine, ll_dispatch, ll_valid_row_mask
+from deep_ep.testing.reference import ll_valid_row_mask
 from deep_ep.v1_buffer import RANK_MASKING_ISSUE, Buffer, LowLatencyDispatchHandle
 
 # DeepEP's defaults: T = 128 tokens per rank at most, H = 7168, top-8 of 288 experts.
@@ -77,19 +77,6 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@dataclass
-class Inputs:
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-
-
-@dataclass
-class Expected:
-    dispatch: dict  # this rank's ll_dispatch result (compact rows)
-    combined: torch.Tensor
-
-
 def _inputs_and_reference(
     rank: int,
     num_ranks: int,
@@ -100,27 +87,10 @@ def _inputs_and_reference(
     num_tokens: int = T_LL,
     uneven: bool = True,
 ) -> tuple[Inputs, Expected]:
-    device = _device()
     data = make_group_inputs(
         num_ranks, num_tokens, HIDDEN, NUM_EXPERTS, NUM_TOPK, seed=seed, uneven=uneven and num_tokens > 0
     )
-    xs = [x.to(device) for x in data.x]
-    idxs = [idx.to(device) for idx in data.topk_idx]
-    weights = [w.to(device) for w in data.topk_weights]
-    results = ll_dispatch(xs, idxs, NUM_EXPERTS, T_LL, use_fp8=use_fp8, round_scale=round_scale, recv_layout="compact")
-    ys = []
-    for dest, result in enumerate(results):
-        ys.append(ll_expert_output((result["x"], result["x_scales"]) if use_fp8 else result["x"], use_fp8))
-        if dest != rank:  # ll_combine reads only the origin of the other ranks' rows: free their payloads
-            result["x"] = result["x_scales"] = None
-    combined = ll_combine(results, ys, idxs, weights, NUM_EXPERTS, T_LL)[rank]
-    return Inputs(xs[rank], idxs[rank], weights[rank]), Expected(results[rank], combined)
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Same-size integer view (fp8 has no comparison kernels); works on any strides."""
-    views = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-    return tensor.view(views[tensor.dtype]) if tensor.dtype in views else tensor
+    return reference_case(rank, data, NUM_EXPERTS, T_LL, use_fp8=use_fp8, round_scale=round_scale)
 
 
 class Checks:
@@ -142,7 +112,7 @@ class Checks:
                 f"{list(wanted.shape)}"
             )
             return
-        differ = _bits(actual) != _bits(wanted)
+        differ = bits(actual) != bits(wanted)
         if bool(differ.any()):
             self.failures.append(f"{self.label}: {name} differs ({int(differ.sum())} elements)")
 
