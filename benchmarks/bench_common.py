@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the copy ceiling they normalise by and how ranks are started."""
+"""What the benchmark scripts share: the copy ceiling they normalise by, how ranks are started and
+how a step is timed after the ranks are lined up."""
 
 from __future__ import annotations
 
@@ -9,6 +10,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def timed_after_barrier(buffer: Any, step: Callable[[], None], warmup: int, iters: int) -> list[float]:
+    """Per run, microseconds from a device barrier's end to the end of ``step`` on this rank; then
+    whatever the kernels reported is raised (``buffer.check_errors()``)."""
+    for _ in range(warmup):
+        step()
+    events = []
+    for _ in range(iters):
+        buffer.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    buffer.check_errors()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 30, iters: int = 20) -> float:

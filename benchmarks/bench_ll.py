@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import copy_bandwidth_gbs, run_ranks, save_summary
+from bench_common import copy_bandwidth_gbs, run_ranks, save_summary, timed_after_barrier
 
 import deep_ep
 from deep_ep import _C
@@ -92,23 +92,9 @@ def timed_phases(buffer: Any, phases: list[Callable[[], None]], warmup: int, ite
     return [[run[i][0].elapsed_time(run[i][1]) * 1e3 for run in events] for i in range(len(phases))]
 
 
-def timed_chain(buffer: Any, replays: list[Callable[[], None]], warmup: int, iters: int) -> list[float]:
-    """Per run, the time in us of calling every replay back to back (one device barrier before)."""
-    for _ in range(warmup):
-        for replay in replays:
-            replay()
-    events = []
-    for _ in range(iters):
-        buffer.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for replay in replays:
-            replay()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    buffer._check_device_errors()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
+def _replay(graph_replay: Callable[[], None], times: int) -> None:
+    for _ in range(times):
+        graph_replay()
 
 
 def barrier_us(buffer: Any, iters: int) -> list[float]:
@@ -199,8 +185,8 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
     trip.dispatch()
     reusing = trip.capture_layers(1)
     layers = {
-        "rotating": [t / LAYERS for t in timed_chain(buffer, [rotating], warmup, iters)],
-        "reusing": [t / LAYERS for t in timed_chain(buffer, [reusing] * LAYERS, warmup, iters)],
+        "rotating": [t / LAYERS for t in timed_after_barrier(buffer, rotating, warmup, iters)],
+        "reusing": [t / LAYERS for t in timed_after_barrier(buffer, lambda: _replay(reusing, LAYERS), warmup, iters)],
     }
     for index, operation in enumerate(OPERATIONS):
         times[operation]["eager"] = eager[index]

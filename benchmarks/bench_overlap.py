@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import run_ranks, save_summary
+from bench_common import run_ranks, save_summary, timed_after_barrier
 
 from deep_ep.testing.data import make_tokens
 
@@ -60,23 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20, help="timed runs per path and mode")
     return parser.parse_args(argv)
-
-
-def timed_runs(buffer: Any, step: Callable[[], None], warmup: int, iters: int) -> list[float]:
-    """Per run, microseconds from a device barrier's end to the end of ``step`` on this rank."""
-    for _ in range(warmup):
-        step()
-    events = []
-    for _ in range(iters):
-        buffer.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    buffer.check_errors()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
 
 
 def _forward(layer: MoELayer, x: torch.Tensor, mode: str, decode: bool) -> torch.Tensor:
@@ -129,7 +112,9 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
         }
         times = {
             path: {
-                mode: timed_runs(buffer, make_step(layer, path, mode, inputs), config["warmup"], config["iters"])
+                mode: timed_after_barrier(
+                    buffer, make_step(layer, path, mode, inputs), config["warmup"], config["iters"]
+                )
                 for mode in MODES
             }
             for path in config["paths"]
