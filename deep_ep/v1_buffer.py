@@ -65,7 +65,7 @@ import functools
 import importlib
 import inspect
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -1222,19 +1222,25 @@ class Buffer:
         return core
 
     def _check_low_latency_sizing(self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any) -> tuple:
-        """``(T_ll, H, E)`` of a first ``low_latency_dispatch``; raises TypeError / ValueError for
-        arguments that cannot size a window, BufferTooSmallError when ``num_rdma_bytes`` cannot hold it."""
+        """``(T_ll, H, E)`` of a first ``low_latency_dispatch`` (H from ``x``); raises TypeError /
+        ValueError for arguments that cannot size a window, BufferTooSmallError when
+        ``num_rdma_bytes`` cannot hold it."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor (bfloat16 [T, H]), got {type(x).__name__}")
         if x.dim() != 2:
             raise ValueError(f"x must be bfloat16 [T, H], got {_describe(x)}")
+        return self._check_low_latency_window(num_max_dispatch_tokens_per_rank, int(x.shape[1]), num_experts)
+
+    def _check_low_latency_window(self, num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any) -> tuple:
+        """``(T_ll, H, E)`` if they can size a low-latency window within ``num_rdma_bytes``
+        (ValueError / BufferTooSmallError otherwise)."""
         for name, value in (
             ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("hidden", hidden),
             ("num_experts", num_experts),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        hidden = int(x.shape[1])
         if hidden % 128 != 0:
             raise ValueError(f"x hidden size must be a multiple of 128 (fp8 scale groups), got H={hidden}")
         sizing = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -1267,11 +1273,10 @@ class Buffer:
             explicitly_destroy=self.explicitly_destroy,
         )
 
-    def _low_latency_core_for(
-        self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any, operation: str = "low_latency_dispatch"
-    ) -> ElasticBuffer:
-        """The LL core, built from this call's sizes when it does not exist yet (collective then: one
-        exchange of every rank's sizes or error, then the window; every rank raises alike)."""
+    def _low_latency_core_for(self, operation: str, check_sizing: Callable[[], tuple]) -> ElasticBuffer:
+        """The LL core, built when it does not exist yet from the sizes ``check_sizing()`` returns
+        (or raises for) on this rank (collective then: one exchange of every rank's sizes or error,
+        then the window; every rank raises alike)."""
         self._usable_core()
         self._require_low_latency_mode(operation)
         if self._ll_core is not None:
@@ -1285,7 +1290,7 @@ class Buffer:
         sizing: tuple | None = None
         error: Exception | None = None
         try:
-            sizing = self._check_low_latency_sizing(x, num_max_dispatch_tokens_per_rank, num_experts)
+            sizing = check_sizing()
         except Exception as caught:  # noqa: BLE001 - whatever it is, the peers must hear of it (no hang)
             error = caught
         report = None if error is None else (type(error).__name__, str(error))
@@ -1360,7 +1365,10 @@ class Buffer:
         refusals (ValueError / TypeError after taking part without data).
         """
         built = self._ll_core is None
-        core = self._low_latency_core_for(x, num_max_dispatch_tokens_per_rank, num_experts)
+        core = self._low_latency_core_for(
+            "low_latency_dispatch",
+            lambda: self._check_low_latency_sizing(x, num_max_dispatch_tokens_per_rank, num_experts),
+        )
         mismatch = None if built else self._low_latency_mismatch(x, num_max_dispatch_tokens_per_rank, num_experts)
         try:
             recv_x, recv_count, core_handle, event, hook = core.low_latency_dispatch(
@@ -1486,11 +1494,7 @@ class Buffer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self._ll_core is None:
-            # A shape-only stand-in for x: the first-call path reads its hidden size only.
-            shape_of_x = torch.empty((0, hidden), dtype=torch.bfloat16, device="meta")
-            self._low_latency_core_for(
-                shape_of_x, num_max_dispatch_tokens_per_rank, num_experts, "clean_low_latency_buffer"
-            )
+            self._low_latency_core_for("clean_low_latency_buffer", lambda: self._check_low_latency_window(*sizing))
             return
         built = self._ll_sizing
         if built is not None and sizing != built:
