@@ -196,11 +196,14 @@ class HighThroughputMixin:
                 f"num_scaleout_topk must be 0 (the estimate assumes balanced routing, as DeepEP V2's), "
                 f"got {num_scaleout_topk!r}"
             )
-        for name, value in (("rdma_gbs", rdma_gbs), ("nvlink_gbs", nvlink_gbs), ("sm_read_gbs", sm_read_gbs)):
+        for name, value in (
+            ("rdma_gbs", rdma_gbs),
+            ("nvlink_gbs", nvlink_gbs),
+            ("sm_read_gbs", sm_read_gbs),
+            ("sm_write_gbs", sm_write_gbs),
+        ):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if not isinstance(sm_write_gbs, (int, float)) or sm_write_gbs < 0:
-            raise ValueError(f"sm_write_gbs must be a number >= 0, got {sm_write_gbs!r}")
         cache = self.__dict__.setdefault("_num_sms_estimates", {})
         key = (num_experts, num_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key not in cache:
