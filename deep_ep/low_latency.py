@@ -35,9 +35,6 @@ __all__ = ["LowLatencyHandle", "LowLatencyMixin"]
 FP8_GROUP_SIZE = 128
 UE8M0_GROUP_WORDS = 4  # UE8M0 scales: one int32 packs the exponent bytes of 4 groups
 RECV_LAYOUTS = ("compact", "per_source")
-# deep_ep/kernels/low_latency.hpp LowLatencyScales
-_SCALES_FP32_ROW, _SCALES_FP32_COL, _SCALES_UE8M0_ROW, _SCALES_UE8M0_COL = range(4)
-LL_AREAS = 3  # csrc/common/geometry.hpp kLowLatencyAreas
 MAX_OUTSTANDING = 2
 # A dispatch's data (headers included) is released once the second LL operation after it has sent,
 # so the combine answering it must be at most that one.
@@ -227,7 +224,7 @@ class LowLatencyMixin:
         recv_layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
         area, op_index = self._ll_begin()
         views = self._ll_views(area)
-        scales_format = _SCALES_FP32_ROW
+        scales_format = _C.LL_SCALES_FP32_ROW_MAJOR
         out_data = out_scales = None
         if recv_layout == "compact":
             out_data, out_scales, recv_scales, scales_format = self._ll_compact_outputs(
@@ -469,7 +466,7 @@ class LowLatencyMixin:
     def _ll_begin(self) -> tuple[int, int]:
         """(area, operation index) of the operation being started; moves to the next area."""
         area, op_index = self._ll_next_area, self._ll_num_ops
-        self._ll_next_area = (area + 1) % LL_AREAS
+        self._ll_next_area = (area + 1) % _C.LL_AREAS
         self._ll_num_ops = op_index + 1
         return area, op_index
 
@@ -531,7 +528,7 @@ class LowLatencyMixin:
             owner = self._runtime
             num_local, num_slots = layout["num_local_experts"], self.num_ranks * self.num_max_dispatch_tokens_per_rank
             hidden, groups = self.hidden, self.hidden // FP8_GROUP_SIZE
-            for index in range(LL_AREAS):
+            for index in range(_C.LL_AREAS):
                 start = self._window["ll_offset"] + index * layout["area_bytes"]
                 payload = start + layout["dispatch_payload_offset"]
                 headers = window_tensor(
@@ -576,13 +573,13 @@ class LowLatencyMixin:
         dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         data = torch.empty(num_local, num_slots, self.hidden, dtype=dtype, device=device)
         if not use_fp8:
-            return data, None, None, _SCALES_FP32_ROW
+            return data, None, None, _C.LL_SCALES_FP32_ROW_MAJOR
         groups = self.hidden // FP8_GROUP_SIZE
         if use_ue8m0:
             groups, scale_dtype = groups // UE8M0_GROUP_WORDS, torch.int32
-            formats = (_SCALES_UE8M0_ROW, _SCALES_UE8M0_COL)
+            formats = (_C.LL_SCALES_UE8M0_ROW_MAJOR, _C.LL_SCALES_UE8M0_COL_MAJOR)
         else:
-            scale_dtype, formats = torch.float32, (_SCALES_FP32_ROW, _SCALES_FP32_COL)
+            scale_dtype, formats = torch.float32, (_C.LL_SCALES_FP32_ROW_MAJOR, _C.LL_SCALES_FP32_COL_MAJOR)
         if col_major:
             storage = torch.empty(num_local, groups, num_slots, dtype=scale_dtype, device=device)
             return data, storage, storage.transpose(1, 2), formats[1]

@@ -99,6 +99,12 @@ LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySetti
 }  // namespace
 
 void register_low_latency(py::module_& m) {
+  m.attr("LL_AREAS") = kLowLatencyAreas;
+  m.attr("LL_SCALES_FP32_ROW_MAJOR") = static_cast<int>(LowLatencyScales::kFp32RowMajor);
+  m.attr("LL_SCALES_FP32_COL_MAJOR") = static_cast<int>(LowLatencyScales::kFp32ColMajor);
+  m.attr("LL_SCALES_UE8M0_ROW_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0RowMajor);
+  m.attr("LL_SCALES_UE8M0_COL_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0ColMajor);
+
   const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int area,
                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
