@@ -7,11 +7,13 @@ exchange handles), otherwise `nccl`. NVLink multicast stays off in every rank.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -22,6 +24,13 @@ _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 
 
 OTHER_FAILURES_GRACE_SECS = 15.0
+
+# A launch that times out asks every unfinished rank for its Python stacks (faulthandler on
+# SIGUSR1, written to a file per rank) before terminating it, so a hang names the line each rank
+# is stuck on instead of only the ranks' numbers.
+STACK_SIGNAL = signal.SIGUSR1
+STACK_DUMP_WAIT_SECS = 2.0
+STACK_DUMP_MAX_CHARS = 6000
 
 # Under MPS a client that was killed (a failed test's ranks are terminated) is cleaned up by the
 # server asynchronously; until then new clients fail CUDA initialisation ("MPS server is not ready",
@@ -62,10 +71,17 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+def _stack_file(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"stacks_rank{rank}.txt")
+
+
 def _worker(
     rank: int, num_ranks: int, init_method: str, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
 ) -> None:
     os.environ.update(_SAFE_ENV)
+    store_dir = os.path.dirname(init_method.removeprefix("file://"))
+    stack_file = open(_stack_file(store_dir, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -132,6 +148,28 @@ def launch(
     raise AssertionError("unreachable")
 
 
+def _dump_stacks(processes: list[Any], ranks: list[int], store_dir: str) -> str:
+    """The Python stacks of the live ``ranks`` (each rank's dump, cut to its last characters)."""
+    alive = [rank for rank in ranks if processes[rank].is_alive() and processes[rank].pid is not None]
+    for rank in alive:
+        try:
+            os.kill(processes[rank].pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(STACK_DUMP_WAIT_SECS if alive else 0.0)
+    parts = []
+    for rank in alive:
+        try:
+            with open(_stack_file(store_dir, rank)) as dump:
+                text = dump.read().strip()
+        except OSError:
+            text = ""
+        if len(text) > STACK_DUMP_MAX_CHARS:
+            text = "..." + text[-STACK_DUMP_MAX_CHARS:]
+        parts.append(f"\n--- rank {rank} stacks ---\n{text or '(no dump: the rank did not answer the signal)'}")
+    return "".join(parts)
+
+
 def _launch_once(
     fn: Callable[..., Any], num_ranks: int, args: tuple[Any, ...], timeout_secs: float, may_exit: tuple[int, ...]
 ) -> list[Any]:
@@ -164,7 +202,8 @@ def _launch_once(
                     raise RuntimeError(f"ranks {dead} died without reporting (exit codes {codes})") from None
                 if time.monotonic() > deadline:
                     missing = [r for r in range(num_ranks) if r not in collected]
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_secs:g} s") from None
+                    stacks = _dump_stacks(processes, missing, store_dir)
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_secs:g} s{stacks}") from None
                 continue
             if status == "ok":
                 collected[rank] = pickle.loads(payload)

@@ -77,3 +77,21 @@ def test_launch_accepts_a_rank_allowed_to_exit_and_reports_it_as_none():
 def test_launch_reports_a_rank_that_exits_without_permission():
     with pytest.raises((RuntimeError, TimeoutError)):
         launch(_last_rank_exits, 2, timeout_secs=5)
+
+
+def _rank_one_sleeps_in_a_named_function(rank, num_ranks, group):
+    import time
+
+    if rank == 1:
+        while True:
+            time.sleep(0.1)
+    return rank
+
+
+def test_launch_timeout_reports_the_stuck_ranks_python_stack():
+    with pytest.raises(TimeoutError) as info:
+        launch(_rank_one_sleeps_in_a_named_function, 2, timeout_secs=3)
+    message = str(info.value)
+    assert "ranks [1] did not finish" in message
+    assert "--- rank 1 stacks ---" in message
+    assert "_rank_one_sleeps_in_a_named_function" in message
