@@ -132,6 +132,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         num_cpu_bytes: int = 0,
         sl_idx: int = 3,
         num_allocated_qps: int = 0,
+        enable_rank_masking: bool = False,
     ) -> None:
         self._runtime: Any = None
         self._serial = next(_buffer_serials)
@@ -168,6 +169,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 num_cpu_bytes=num_cpu_bytes,
                 sl_idx=sl_idx,
                 num_allocated_qps=num_allocated_qps,
+                enable_rank_masking=enable_rank_masking,
             )
         except (ValueError, TypeError) as error:
             local_error = (type(error).__name__, str(error))
@@ -249,6 +251,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.num_bytes = self._window["total_bytes"]
         self._comm_stream = _comm_stream(self.device)
         self._connect(ht_region, ll_region)
+        self.enable_rank_masking = settings["enable_rank_masking"]
+        if self.enable_rank_masking:
+            self._ll_rank_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self._torch_device)
         if _env_flag("EP_BUFFER_DEBUG"):
             print(
                 f"[deep_ep rank {self.rank_idx}] backend={self.backend} window={self.num_bytes} B "
@@ -276,6 +281,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         num_cpu_bytes: int = 0,
         sl_idx: int = 3,
         num_allocated_qps: int = 0,
+        enable_rank_masking: bool = False,
     ) -> dict[str, Any]:
         """This rank's settings, resolved from arguments and environment; raises on a bad one. Every
         rank must end up with the same values (the window has one size and layout everywhere)."""
@@ -306,6 +312,12 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 f"timeouts must be positive, got num_gpu_timeout_secs={num_gpu_timeout_secs}, "
                 f"num_cpu_timeout_secs={num_cpu_timeout_secs}"
             )
+        if enable_rank_masking and num_max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(
+                "enable_rank_masking=True masks ranks in low-latency operations only: it needs a low-latency region "
+                f"(num_max_dispatch_tokens_per_rank > 0), got num_max_dispatch_tokens_per_rank="
+                f"{num_max_dispatch_tokens_per_rank}"
+            )
         if num_bytes is not None and (num_bytes <= 0 or num_bytes % _C.WINDOW_ALIGN_BYTES != 0):
             raise ValueError(f"num_bytes must be a positive multiple of 2 MiB (2097152), got {num_bytes}")
         return {
@@ -322,6 +334,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "scaleout_transport": requested_scaleout_transport(),
             "num_cpu_bytes": num_cpu_bytes,
             "num_allocated_qps": num_allocated_qps,
+            "enable_rank_masking": bool(enable_rank_masking),
             "num_gpu_timeout_secs": float(num_gpu_timeout_secs),
             "num_cpu_timeout_secs": float(num_cpu_timeout_secs),
         }
@@ -607,6 +620,14 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 warnings.warn(
                     f"destroy(): skipped the closing barrier after {self._failure.operation} timed out waiting for "
                     f"rank {self._failure.peer} (that rank may be gone); this rank's window is freed",
+                    stacklevel=2,
+                )
+                return
+            masked = self._ll_masked_ranks()
+            if masked:
+                warnings.warn(
+                    f"destroy(): skipped the closing barrier: this rank has masked rank(s) {masked} (they may be "
+                    "gone); this rank's window is freed",
                     stacklevel=2,
                 )
                 return

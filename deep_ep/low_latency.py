@@ -143,6 +143,7 @@ class LowLatencyMixin:
     _torch_device: torch.device
     _max_num_sms: int
     num_ranks: int
+    rank_idx: int
     hidden: int
     device: int
     num_max_dispatch_tokens_per_rank: int
@@ -153,6 +154,8 @@ class LowLatencyMixin:
     _ll_next_area: int = 0
     _ll_num_ops: int = 0
     _ll_num_pending: int = 0
+    # int32 [R] on the device with enable_rank_masking=True (1 = masked), else None.
+    _ll_rank_mask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -276,6 +279,7 @@ class LowLatencyMixin:
                 recv_layout_range.data_ptr(),
                 _pointer(cumulative_local_expert_recv_stats),
                 _pointer(dispatch_wait_recv_cost_stats),
+                _pointer(self._ll_rank_mask),
             )
 
         def receive() -> None:
@@ -361,6 +365,7 @@ class LowLatencyMixin:
                 False,
                 _pointer(layout_range),
                 _pointer(combine_wait_recv_cost_stats),
+                _pointer(self._ll_rank_mask),
             )
 
         event, hook = self._ll_run(
@@ -399,6 +404,59 @@ class LowLatencyMixin:
             )
         return buffers[index]
 
+    # ------------------------------------------------------------ rank masking
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or restore rank ``rank_to_mask`` in this rank's LL rank mask.
+
+        Stream-ordered on the current stream (CUDA-graph capturable). A masked rank is neither sent to
+        nor waited for by this rank's LL operations; its experts count as absent (combine
+        contributions zero). A rank must not mask itself. A rank masked by its peers must make no
+        further LL call on this buffer (it would wait for peers that no longer send to it)."""
+        mask_tensor = self._ll_require_masking("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.num_ranks:
+            raise ValueError(f"rank_to_mask must be a rank in [0, {self.num_ranks}), got {rank_to_mask!r}")
+        if rank_to_mask == self.rank_idx:
+            raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
+        mask_tensor[rank_to_mask].fill_(1 if mask else 0)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy this rank's LL rank mask (1 = masked, by a timeout or by the caller) into
+        ``mask_status``, an int32 tensor of ``num_ranks`` elements on this buffer's device
+        (stream-ordered on the current stream)."""
+        mask_tensor = self._ll_require_masking("low_latency_query_mask_buffer")
+        _require_tensor("mask_status", mask_status, f"an int32 [{self.num_ranks}] tensor on {self._torch_device}")
+        if (
+            mask_status.dtype != torch.int32
+            or mask_status.numel() != self.num_ranks
+            or mask_status.device != self._torch_device
+        ):
+            raise ValueError(
+                f"mask_status must be an int32 tensor of {self.num_ranks} elements on {self._torch_device}, "
+                f"got {_describe(mask_status)}"
+            )
+        mask_status.view(-1).copy_(mask_tensor)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Restore every rank (stream-ordered). A restored rank that is still gone is masked again by
+        the next LL wait on it, after the timeout."""
+        self._ll_require_masking("low_latency_clean_mask_buffer").zero_()
+
+    def _ll_require_masking(self, call: str) -> torch.Tensor:
+        self._ensure_usable()
+        if self._ll_rank_mask is None:
+            raise RuntimeError(
+                f"{call}() needs rank masking: build the buffer with enable_rank_masking=True and a low-latency "
+                "region (num_max_dispatch_tokens_per_rank > 0)"
+            )
+        return self._ll_rank_mask
+
+    def _ll_masked_ranks(self) -> list[int]:
+        """The ranks this rank has masked (synchronises with the device); [] without masking."""
+        if self._ll_rank_mask is None:
+            return []
+        return [int(rank) for rank in self._ll_rank_mask.nonzero().flatten().tolist()]
+
     # ------------------------------------------------------------- failed input
 
     def _ll_dispatch_without_input(self, error: Exception) -> None:
@@ -426,6 +484,7 @@ class LowLatencyMixin:
                     num_sms=self._max_num_sms,
                     stream=stream,
                     input_failed=True,
+                    rank_mask=_pointer(self._ll_rank_mask),
                 )
 
         take_part_without_input(self, error, launch)
@@ -457,6 +516,7 @@ class LowLatencyMixin:
                     num_sms=self._max_num_sms,
                     stream=stream,
                     input_failed=True,
+                    rank_mask=_pointer(self._ll_rank_mask),
                 )
 
         take_part_without_input(self, error, launch)

@@ -27,6 +27,10 @@
 //   * a rank whose input failed its host checks sends with no data and `input_failed`: every CTA
 //     sets its input-failed cell in every peer before publishing arrival cells; receivers record
 //     it (not fatal) after acquiring a cell of that peer.
+//   * rank masking (opt-in, `rank_mask`): a masked peer is skipped by every send (no rows, no
+//     arrival cell, no release) and every wait (its arrivals count as 0 rows); a wait on a peer that
+//     passes the deadline masks it instead of failing. Survivors stay in step with each other: each
+//     still runs every phase of every operation, only the masked peers are left out.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -91,6 +95,7 @@ struct LowLatencyDispatchArgs {
   int64_t* recv_layout_range = nullptr;           // [L, R] (first row << 32) | count, output layout
   int32_t* cumulative_recv_stats = nullptr;       // [L] += recv_count
   int64_t* wait_cost_stats = nullptr;             // [R] += clock64 cycles waited for each source
+  int32_t* rank_mask = nullptr;                   // [R] rank masking (kernels/timeout.cuh); nullptr: off
 };
 
 struct LowLatencyCombineArgs {
@@ -115,6 +120,7 @@ struct LowLatencyCombineArgs {
   // l * R * T_ll + range >> 32); nullptr: per-source blocks (rows of (l, s) at (l * R + s) * T_ll).
   const int64_t* layout_range = nullptr;
   int64_t* wait_cost_stats = nullptr;  // [R] += clock64 cycles the receive phase waited per source
+  int32_t* rank_mask = nullptr;        // [R] rank masking (kernels/timeout.cuh); nullptr: off
 };
 
 // Throw std::invalid_argument for shapes the kernels cannot take, std::runtime_error for a failed
@@ -159,7 +165,7 @@ __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowL
 // the peer's previous send. Returns false on timeout (the CTA must not write then).
 __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout,
                                            int64_t area_offset, int32_t epoch, Operation operation,
-                                           bool input_failed) {
+                                           bool input_failed, int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   if (input_failed) announce_input_failed(view);
@@ -167,18 +173,21 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
       // the peer's writes into it.
-      if (peer != view.rank) ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), epoch - 1);
+      if (peer != view.rank && !peer_masked(rank_mask, peer)) {
+        ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), epoch - 1);
+      }
     }
   }
   __syncthreads();
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
     if (peer == view.rank) continue;  // my own area is free by stream order
     const int32_t* cell = flags_cell(view, view.rank, layout, area_offset, peer);
-    const bool ok = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch - 1, [&](int64_t& seen) {
-      seen = ptx::ld_acquire_sys(cell);
-      return seen >= epoch - 1;
-    });
-    if (!ok) atomicExch(&failed, 1);
+    const WaitResult result =
+        wait_or_mask(view, rank_mask, operation, Phase::kBarrierArrive, peer, epoch - 1, [&](int64_t& seen) {
+          seen = ptx::ld_acquire_sys(cell);
+          return seen >= epoch - 1;
+        });
+    if (result == WaitResult::kFailed) atomicExch(&failed, 1);
   }
   __syncthreads();
   return failed == 0;
@@ -191,7 +200,7 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
 // other area every received one (all are at least two operations old). Then it records this
 // operation as the previous one. `counter`: this area's send scratch int (back to 0 here).
 __device__ __forceinline__ void end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
-                                         int area, int32_t epoch, int32_t* counter) {
+                                         int area, int32_t epoch, int32_t* counter, const int32_t* rank_mask) {
   __shared__ int is_last;
   __shared__ int32_t previous[kLowLatencyStateInts];
   __syncthreads();
@@ -218,7 +227,9 @@ __device__ __forceinline__ void end_send(const DeviceView& view, const LowLatenc
       released = ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, other_offset, view.rank));
     }
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
-      if (peer != view.rank) ptx::st_release_sys(flags_cell(view, peer, layout, other_offset, view.rank), released);
+      if (peer != view.rank && !peer_masked(rank_mask, peer)) {
+        ptx::st_release_sys(flags_cell(view, peer, layout, other_offset, view.rank), released);
+      }
     }
   }
   __syncthreads();  // every thread read `previous` before it is overwritten

@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int lane = static_cast<int>(threadIdx.x % 32);
 
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed)) {
+  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed,
+                              args.rank_mask)) {
     const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
     const auto* rows = static_cast<const int4*>(args.x);
     const int num_units = layout.num_local_experts * num_ranks;
@@ -56,8 +57,9 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         const int unit = unit_of(threadIdx.x);
         // Clamped so that a corrupted count can never address past the slots. Without the handle's
         // counts (a failed input with no usable handle) this rank sends no row.
+        // A masked source rank gets no row (and no arrival cell, below).
         unit_counts[threadIdx.x] =
-            unit < num_units && args.count_per_source != nullptr
+            unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
                 ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
                 : 0;
         // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
 
       if (threadIdx.x < kUnitsPerRound) {
         const int unit = unit_of(threadIdx.x);
-        if (unit < num_units) {
+        if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks)) {
           // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
           ptx::fence_acq_rel_sys();
           ptx::st_release_sys(
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   }
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
-  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter);
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask);
 }
 
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
@@ -143,13 +145,14 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     const int source = cell_index % num_ranks;
     const int32_t* cell =
         low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
-    const bool arrived = wait_until(view, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-      seen = ptx::ld_acquire_sys(cell);
-      return seen != 0;
-    });
-    if (!arrived) {
+    const WaitResult result =
+        wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
+          seen = ptx::ld_acquire_sys(cell);
+          return seen != 0;
+        });
+    if (result == WaitResult::kFailed) {
       atomicExch(&failed, 1);
-    } else if (blockIdx.x == 0) {
+    } else if (result == WaitResult::kArrived && blockIdx.x == 0) {
       collect_input_failed(view, Operation::kLlCombine, source);  // announced before the cell's release
     }
     // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
@@ -196,6 +199,9 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     if (lane < args.num_topk) {
       expert = read_expert_id(view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
       weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
+      // A masked rank's experts are absent: their slots hold no row of this operation. Read after
+      // every wait of this CTA, so a rank masked by one of them is left out of every token.
+      if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
     }
     const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
     const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;

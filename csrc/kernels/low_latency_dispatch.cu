@@ -134,7 +134,10 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       const int dest = expert / num_local;
       // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
       const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
-      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+      // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
+      const int first_i = peer_masked(args.rank_mask, dest) ? count
+                                                            : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
+      for (int i = first_i; i < count; i += kSendWarps) {
         const int32_t entry = lists[j * num_tokens + i];
         const int token = entry >> kSlotBits;
         const int64_t row = first_row + i;
@@ -154,7 +157,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
 
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);
-      if (expert < args.num_experts) {
+      if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local)) {
         // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
         // before the count; the receiver's acquire of the count then covers them.
         ptx::fence_acq_rel_sys();
@@ -187,12 +190,13 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
                                                         i / num_topk, i % num_topk, args.num_experts));
   }
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
-  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed)) {
+  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed,
+                              args.rank_mask)) {
     send_rounds<kUseFp8>(args, expert_ids, lists, list_sizes, experts_per_round);
   }
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
-  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter);
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask);
 }
 
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
@@ -244,12 +248,13 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
       int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);
       int32_t value = 0;
-      const bool arrived =
-          wait_until(view, Operation::kLlDispatch, Phase::kCountsArrive, source, 1, [&](int64_t& seen) {
-            value = ptx::ld_acquire_sys(cell);
-            seen = value;
-            return value != 0;
-          });
+      // A masked source (or one masked by this wait) sent nothing: 0 rows.
+      const bool arrived = wait_or_mask(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive, source, 1,
+                                        [&](int64_t& seen) {
+                                          value = ptx::ld_acquire_sys(cell);
+                                          seen = value;
+                                          return value != 0;
+                                        }) == WaitResult::kArrived;
       if (args.wait_cost_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
                   static_cast<unsigned long long>(clock64() - start));

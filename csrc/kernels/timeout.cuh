@@ -84,4 +84,40 @@ __device__ __forceinline__ bool wait_until(const DeviceView& view, Operation ope
   }
 }
 
+// Rank masking (LL only, opt-in): `mask` is this rank's int32 [R] mask in device memory, 1 for a
+// peer it no longer waits for nor sends to; nullptr when masking is off. A masked peer's experts
+// count as absent: its rows are not sent, its arrivals not awaited, its combine rows count as zero.
+__device__ __forceinline__ bool peer_masked(const int32_t* mask, int peer) {
+  return mask != nullptr && ptx::ld_relaxed_sys(mask + peer) != 0;
+}
+
+enum class WaitResult : int { kArrived = 0, kMasked = 1, kFailed = 2 };
+
+// wait_until for a wait on `peer` under rank masking. Without a mask it is wait_until (kFailed on
+// timeout or an earlier error). With one, a masked peer is not waited for (kMasked, also when
+// another thread masks it during the wait), and a wait that passes its deadline masks the peer
+// instead of recording an error: the operation completes without it.
+template <typename Probe>
+__device__ __forceinline__ WaitResult wait_or_mask(const DeviceView& view, int32_t* mask, Operation operation,
+                                                   Phase phase, int32_t peer, int64_t expected, Probe&& probe) {
+  if (mask == nullptr) {
+    return wait_until(view, operation, phase, peer, expected, probe) ? WaitResult::kArrived : WaitResult::kFailed;
+  }
+  if (peer_masked(mask, peer)) return WaitResult::kMasked;
+  int64_t seen = 0;
+  if (probe(seen)) return WaitResult::kArrived;
+  const uint64_t start = ptx::global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (probe(seen)) return WaitResult::kArrived;
+    if ((spin & 255) == 0) {
+      if (peer_masked(mask, peer)) return WaitResult::kMasked;
+      if (error_recorded(view)) return WaitResult::kFailed;
+      if (ptx::global_timer_ns() - start > view.timeout_ns) {
+        atomicExch(mask + peer, 1);
+        return WaitResult::kMasked;
+      }
+    }
+  }
+}
+
 }  // namespace deep_ep

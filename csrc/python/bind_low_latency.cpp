@@ -4,6 +4,7 @@
 // against the window that was really allocated, and turned into the area of the call.
 // `input_failed`: this rank's input failed its host checks; it takes part without data (T = 0 for a
 // dispatch; zero rows, or none without a handle, for a combine) and its peers record why.
+// `rank_mask`: the buffer's int32 [R] rank mask (0: masking off).
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -111,7 +112,7 @@ void register_low_latency(py::module_& m) {
                     std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
                     bool input_failed, bool round_scale, std::uintptr_t recv_x, std::uintptr_t recv_scales,
                     int scales_format, std::uintptr_t recv_src_info, std::uintptr_t recv_layout_range,
-                    std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats) {
+                    std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
       LowLatencyDispatchArgs args = dispatch_args(runtime, settings, area, x, topk_idx, num_tokens, num_topk, use_fp8,
                                                   recv_count, count_per_source, num_sms);
@@ -127,6 +128,7 @@ void register_low_latency(py::module_& m) {
       args.recv_layout_range = pointer<int64_t>(recv_layout_range);
       args.cumulative_recv_stats = pointer<int32_t>(cumulative_recv_stats);
       args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
+      args.rank_mask = pointer<int32_t>(rank_mask);
       launch(args, as_stream(stream));
     };
   };
@@ -135,13 +137,14 @@ void register_low_latency(py::module_& m) {
                     int dispatch_area, int area, std::uintptr_t x, std::uintptr_t count_per_source,
                     std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
                     int num_topk, int num_sms, std::uintptr_t stream, bool input_failed, std::uintptr_t layout_range,
-                    std::uintptr_t wait_cost_stats) {
+                    std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
       LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source,
                                                 topk_idx, topk_weights, out, num_tokens, num_topk, num_sms);
       args.input_failed = input_failed;
       args.layout_range = pointer<const int64_t>(layout_range);
       args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
+      args.rank_mask = pointer<int32_t>(rank_mask);
       launch(args, as_stream(stream));
     };
   };
@@ -157,7 +160,7 @@ void register_low_latency(py::module_& m) {
           py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false,
           py::arg("round_scale") = false, py::arg("recv_x") = 0, py::arg("recv_scales") = 0,
           py::arg("scales_format") = 0, py::arg("recv_src_info") = 0, py::arg("recv_layout_range") = 0,
-          py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0);
+          py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0, py::arg("rank_mask") = 0);
   }
   // Send phase (x, count_per_source read) and receive phase (out written from topk_idx/weights)
   // of one LL combine.
@@ -167,7 +170,8 @@ void register_low_latency(py::module_& m) {
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_area"), py::arg("area"), py::arg("x"),
           py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"),
-          py::arg("input_failed") = false, py::arg("layout_range") = 0, py::arg("wait_cost_stats") = 0);
+          py::arg("input_failed") = false, py::arg("layout_range") = 0, py::arg("wait_cost_stats") = 0,
+          py::arg("rank_mask") = 0);
   }
 }
 

@@ -220,3 +220,83 @@ def test_non_tensor_arguments_are_type_errors_naming_the_argument() -> None:
         buffer.low_latency_dispatch([[0.0]], _idx(), CAP, NUM_EXPERTS)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="topk_idx must be a tensor"):
         buffer.low_latency_dispatch(_x(), None, CAP, NUM_EXPERTS)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- rank masking
+
+
+class MaskingBuffer(FakeBuffer):
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__()
+        self.rank_idx = 0
+        self._torch_device = torch.device("cpu")
+        self._ll_rank_mask = torch.zeros(NUM_RANKS, dtype=torch.int32) if enabled else None
+
+
+def test_mask_calls_without_rank_masking_name_the_constructor_argument():
+    buffer = MaskingBuffer(enabled=False)
+    for call in (
+        lambda: buffer.low_latency_update_mask_buffer(1, True),
+        lambda: buffer.low_latency_query_mask_buffer(torch.zeros(NUM_RANKS, dtype=torch.int32)),
+        buffer.low_latency_clean_mask_buffer,
+    ):
+        with pytest.raises(RuntimeError, match="enable_rank_masking=True"):
+            call()
+
+
+def test_update_query_and_clean_round_trip_through_the_mask():
+    buffer = MaskingBuffer()
+    status = torch.full((NUM_RANKS,), -1, dtype=torch.int32)
+    buffer.low_latency_update_mask_buffer(1, True)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 1]
+    assert buffer._ll_masked_ranks() == [1]
+    buffer.low_latency_update_mask_buffer(1, False)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0]
+    buffer.low_latency_update_mask_buffer(1, True)
+    buffer.low_latency_clean_mask_buffer()
+    assert buffer._ll_masked_ranks() == []
+
+
+@pytest.mark.parametrize(
+    ("rank", "message"), [(0, "cannot mask itself"), (NUM_RANKS, "rank_to_mask must be a rank"), (-1, "rank_to_mask")]
+)
+def test_update_refuses_its_own_rank_and_ranks_outside_the_group(rank, message):
+    with pytest.raises(ValueError, match=message):
+        MaskingBuffer().low_latency_update_mask_buffer(rank, True)
+
+
+@pytest.mark.parametrize(
+    "status",
+    [torch.zeros(NUM_RANKS, dtype=torch.int64), torch.zeros(NUM_RANKS + 1, dtype=torch.int32)],
+    ids=["int64", "wrong-length"],
+)
+def test_query_refuses_a_status_tensor_of_another_dtype_or_size(status):
+    with pytest.raises(ValueError, match="mask_status must be an int32 tensor of 2 elements"):
+        MaskingBuffer().low_latency_query_mask_buffer(status)
+
+
+def test_rank_masking_needs_a_low_latency_region():
+    from deep_ep.buffer import ElasticBuffer
+
+    settings = dict(
+        num_bytes=None,
+        num_max_tokens_per_rank=64,
+        hidden=HIDDEN,
+        num_topk=LL_TOPK,
+        use_fp8_dispatch=False,
+        num_max_dispatch_tokens_per_rank=0,
+        num_experts=NUM_EXPERTS,
+        allow_hybrid_mode=True,
+        allow_multiple_reduction=True,
+        num_gpu_timeout_secs=None,
+        num_cpu_timeout_secs=None,
+        backend=None,
+        num_ranks_per_node=None,
+    )
+    with pytest.raises(ValueError, match="enable_rank_masking=True masks ranks in low-latency operations only"):
+        ElasticBuffer._check_settings(**settings, enable_rank_masking=True)
+    assert ElasticBuffer._check_settings(**settings)["enable_rank_masking"] is False
+    settings["num_max_dispatch_tokens_per_rank"] = CAP
+    assert ElasticBuffer._check_settings(**settings, enable_rank_masking=True)["enable_rank_masking"] is True
