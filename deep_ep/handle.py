@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,9 +31,12 @@ class EPHandle:
             per-expert counts; expand: first row of expert l plus its count, so expert l's rows are
             ``[psum[l] - unaligned[l], psum[l])``.
         num_unaligned_recv_tokens_per_expert: [L], rows of each local expert.
-        recv_src_metadata: [N, 3] per received row: source rank, source token index, and ``j``, the
-            row's combine slot at the source (index of this rank among the token's destination
-            ranks, ascending).
+        recv_src_metadata: [N, K + 2], DeepEP V2's layout (read-only, built on the device from
+            ``recv_src_info`` at first access on the current stream, then kept): column 0 the
+            source's global token id ``src_rank * T_max + src_token``, column 1 ``src_rank * K +
+            master_lane``, columns 2.. the expanded row of each top-k lane (expand only: -1 where the
+            lane's expert is elsewhere; non-expand: all -1). Rows past the received count (no CPU
+            sync) are undefined, like every output's.
         dst_buffer_slot_idx: [T, K], the token's slot at the rank of expert k on the first k of each
             destination rank, -1 elsewhere (its row there is ``[this rank][slot]``).
 
@@ -44,6 +47,10 @@ class EPHandle:
         num_recv_tokens_per_scaleup_rank: [R], tokens received from each source rank.
         expert_offsets_per_source: [R, L], rows of local expert l coming from sources before s.
         expert_start: [L], first expanded row of each local expert (exclusive psum of aligned counts).
+        recv_src_info: [N, 4] per received row (what combine reads): source rank, source token
+            index, ``j`` (the row's combine slot at the source: index of this rank among the token's
+            destination ranks, ascending; hybrid: among those on this node) and ``master_lane``
+            (the first top-k lane whose expert is on this rank).
         recv_expanded_row_idx: expand only, [N, K], the expanded row of (received row, k), -1 where
             expert k is not local.
         counts: the single allocation the views above live in (what the kernels read).
@@ -69,7 +76,7 @@ class EPHandle:
     psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
     psum_num_recv_tokens_per_expert: torch.Tensor
     num_unaligned_recv_tokens_per_expert: torch.Tensor
-    recv_src_metadata: torch.Tensor
+    recv_src_info: torch.Tensor
     dst_buffer_slot_idx: torch.Tensor
     num_ranks: int
     num_tokens: int
@@ -86,10 +93,33 @@ class EPHandle:
     num_nodes: int = 1
     home_node: int = 0
     scaleout_row_bytes: int = 0
+    # (recv_src_info it was built from, V2 recv_src_metadata): rebuilt when the info is replaced.
+    _v2_src_metadata: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+    @property
+    def recv_src_metadata(self) -> torch.Tensor:
+        """DeepEP V2's int32 ``[N, K + 2]`` source record of the received rows (see the class
+        docstring). Built at first access: dispatch itself writes only ``recv_src_info``. An access
+        under CUDA graph capture builds it inside the graph and keeps nothing (the captured
+        kernels have not run yet, so the tensor is not valid outside the replays)."""
+        info = self.recv_src_info
+        if self._v2_src_metadata is not None and self._v2_src_metadata[0] is info:
+            return self._v2_src_metadata[1]
+        source_rank = info[:, 0]
+        metadata = torch.empty((info.shape[0], self.num_topk + 2), dtype=torch.int32, device=info.device)
+        metadata[:, 0] = source_rank * self.num_max_tokens_per_rank + info[:, 1]
+        metadata[:, 1] = source_rank * self.num_topk + info[:, 3]
+        if self.do_expand and self.recv_expanded_row_idx is not None:
+            metadata[:, 2:] = self.recv_expanded_row_idx
+        else:
+            metadata[:, 2:] = -1
+        if not (metadata.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._v2_src_metadata = (info, metadata)
+        return metadata
 
     @property
     def tokens_per_node(self) -> torch.Tensor | None:
@@ -118,7 +148,7 @@ class EPHandle:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every device tensor the handle owns (kept alive by events of operations that use them)."""
-        owned = (self.topk_idx, self.recv_src_metadata, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
+        owned = (self.topk_idx, self.recv_src_info, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
         if self.recv_expanded_row_idx is not None:
             owned += (self.recv_expanded_row_idx,)
         if self.hybrid_routing is not None:

@@ -108,6 +108,11 @@ def _to_col_major_scales(launch: _CommLaunch, scales: torch.Tensor, device: torc
     return columns.t()[:num_rows]
 
 
+def _kernel_ready(tensor: torch.Tensor) -> bool:
+    """Contiguous and 16-byte aligned: what the kernels read as rows of 16-byte vectors."""
+    return tensor.is_contiguous() and (tensor.numel() == 0 or tensor.data_ptr() % 16 == 0)
+
+
 class _CommLaunch:
     """One operation's stream protocol: comm waits first, allocations on the chosen stream, and a
     finish() that records the event and either hands it to the caller or makes the caller wait."""
@@ -358,6 +363,10 @@ class HighThroughputMixin:
         num_local = num_experts // num_ranks
         call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8)
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
+        input_scales = scales
+        if scales is not None and not _kernel_ready(scales):
+            with torch.cuda.stream(launch.comm):  # after what comm waits for; used on comm only
+                scales = scales.clone(memory_format=torch.contiguous_format)
         if cached:
             new_handle = handle
         else:
@@ -403,8 +412,8 @@ class HighThroughputMixin:
                 new_handle.recv_expanded_row_idx = launch.empty(
                     (new_handle.num_recv_tokens, num_topk), torch.int32, device
                 )
-            new_handle.recv_src_metadata = launch.empty(
-                (new_handle.num_recv_tokens, _C.HT_SRC_METADATA_COLUMNS), torch.int32, device
+            new_handle.recv_src_info = launch.empty(
+                (new_handle.num_recv_tokens, _C.HT_SRC_INFO_COLUMNS), torch.int32, device
             )
 
         num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
@@ -433,15 +442,16 @@ class HighThroughputMixin:
             _pointer(recv_scales),
             _pointer(recv_topk_idx),
             _pointer(recv_topk_weights),
-            # A cached dispatch has the same routing: the handle's metadata is already right.
-            0 if cached else _pointer(new_handle.recv_src_metadata),
+            # A cached dispatch has the same routing: the handle's source info and row map are already right.
+            0 if cached else _pointer(new_handle.recv_src_info),
             0 if cached else _pointer(new_handle.recv_expanded_row_idx),
             self._max_num_sms,
             launch.stream,
         )
         if use_fp8 and use_tma_aligned_col_major_sf:
             recv_scales = _to_col_major_scales(launch, recv_scales, device)
-        used = (data, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats, *new_handle.tensors())
+        used = (data, input_scales, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
+        used += new_handle.tensors()
         event = launch.finish(async_with_compute_stream, used)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
@@ -517,7 +527,7 @@ class HighThroughputMixin:
             psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
             psum_num_recv_tokens_per_expert=psum_per_expert,
             num_unaligned_recv_tokens_per_expert=unaligned,
-            recv_src_metadata=torch.empty(0),  # allocated once the sizes are known
+            recv_src_info=torch.empty(0),  # allocated once the sizes are known
             dst_buffer_slot_idx=dst_slot,
             num_ranks=num_ranks,
             num_tokens=num_tokens,
@@ -615,9 +625,9 @@ class HighThroughputMixin:
             _pointer(x),
             _pointer(topk_weights),
             _pointer(handle.counts),
-            _pointer(handle.recv_src_metadata),
+            _pointer(handle.recv_src_info),
             _pointer(handle.recv_expanded_row_idx),
-            handle.recv_src_metadata.shape[0],
+            handle.recv_src_info.shape[0],
             handle.num_tokens,
             _pointer(handle.topk_idx),
             _pointer(handle.hybrid_routing),
@@ -731,9 +741,9 @@ class HighThroughputMixin:
                 0,
                 0,
                 _pointer(handle.counts) if zero_rows else 0,
-                _pointer(handle.recv_src_metadata) if zero_rows else 0,
+                _pointer(handle.recv_src_info) if zero_rows else 0,
                 0,
-                handle.recv_src_metadata.shape[0] if zero_rows else 0,
+                handle.recv_src_info.shape[0] if zero_rows else 0,
                 handle.num_tokens if zero_rows else 0,
                 _pointer(handle.topk_idx) if zero_rows else 0,
                 _pointer(hybrid),
@@ -783,12 +793,14 @@ class HighThroughputMixin:
                 "window; pass it to the buffer that dispatched"
             )
 
-    def _check_tensor(self, name: str, tensor: Any, device: torch.device) -> None:
+    def _check_tensor(self, name: str, tensor: Any, device: torch.device, any_strides: bool = False) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         # get_device() is an int (-1 on the CPU): cheaper than building tensor.device per check.
         if not tensor.is_cuda or tensor.get_device() != device.index:
             raise ValueError(f"{name} must be on this buffer's device {device}, got {tensor.device}")
+        if any_strides:
+            return
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {_describe(tensor)}")
         if tensor.numel() > 0 and tensor.data_ptr() % 16 != 0:
@@ -810,7 +822,9 @@ class HighThroughputMixin:
             raise TypeError(f"x must be a bfloat16 tensor or an (fp8, scales) pair, got {type(x).__name__}")
         data, scales = x
         self._check_tensor("x[0]", data, device)
-        self._check_tensor("x[1]", scales, device)
+        # Scales may come with any strides (TMA-aligned quantisers hand them over column-major, as
+        # DeepEP V2 accepts): dispatch copies them to a packed tensor on the comm stream.
+        self._check_tensor("x[1]", scales, device, any_strides=True)
         if data.dtype != torch.float8_e4m3fn or data.dim() != 2:
             raise ValueError(f"x[0] must be float8_e4m3fn [T, H], got {_describe(data)}")
         if data.shape[1] == 0 or data.shape[1] % FP8_GROUP_SIZE != 0:

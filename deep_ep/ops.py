@@ -16,7 +16,7 @@ Design (docs/autograd.md has the full story):
 * **The handle travels as tensors + static ints** (:class:`TensorHandle`). The dispatch op returns
   one int32 tensor holding a copy of the handle's small device arrays (routing, slots, counts and,
   in hybrid mode, the hybrid routing: ``4*T*K + C (+ hybrid)`` ints, laid out as the library lays
-  them out), plus ``recv_src_metadata`` and the expand row map. The combine and cached-dispatch
+  them out), plus ``recv_src_info`` and the expand row map. The combine and cached-dispatch
   ops rebuild an ``EPHandle`` from them on the host (views, no copy) and call the buffer.
 * **Autograd** is registered on the ops (``torch.library.register_autograd``): dispatch's backward
   is the combine op, combine's backward is the cached-dispatch op, cached dispatch's backward is
@@ -56,7 +56,8 @@ class TensorHandle(NamedTuple):
     ``routing``: int32 ``[4*T*K + C (+ hybrid ints)]``: the handle's routing (int64 ``[T, K]`` as
     int32 pairs), ``expert_slot_idx``, ``dst_buffer_slot_idx``, the counts block (``C`` ints:
     per-source counts and prefix sums, per-expert counts, ...) and, in hybrid mode, the hybrid
-    routing. ``recv_src_metadata``: int32 ``[N, 3]``. ``recv_expanded_row_idx``: int32 ``[N, K]``
+    routing. ``recv_src_info``: int32 ``[N, 4]`` (``to_ep_handle(handle).recv_src_metadata`` gives
+    DeepEP V2's ``[N, K + 2]`` view of it). ``recv_expanded_row_idx``: int32 ``[N, K]``
     after an expand dispatch, else ``[0, K]``. ``expert_counts``: int32 ``[2, L]``, rows received
     per local expert (unaligned) and, after an expand dispatch, the first row of each expert's
     segment (a copy for the caller: grouped GEMMs; the ops do not read it). ``num_rows``: rows of
@@ -64,7 +65,7 @@ class TensorHandle(NamedTuple):
     """
 
     routing: torch.Tensor
-    recv_src_metadata: torch.Tensor
+    recv_src_info: torch.Tensor
     recv_expanded_row_idx: torch.Tensor
     expert_counts: torch.Tensor
     num_rows: int
@@ -172,7 +173,7 @@ def _pack(handle: EPHandle) -> torch.Tensor:
 
 def _unpack(
     routing: torch.Tensor,
-    recv_src_metadata: torch.Tensor,
+    recv_src_info: torch.Tensor,
     recv_expanded_row_idx: torch.Tensor,
     buffer_id: int,
     num_tokens: int,
@@ -222,7 +223,7 @@ def _unpack(
         psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
         psum_num_recv_tokens_per_expert=psum_per_expert,
         num_unaligned_recv_tokens_per_expert=unaligned,
-        recv_src_metadata=kernel_input(recv_src_metadata, torch.int32),
+        recv_src_info=kernel_input(recv_src_info, torch.int32),
         dst_buffer_slot_idx=dst_slot,
         num_ranks=num_ranks,
         num_tokens=num_tokens,
@@ -245,7 +246,7 @@ def _unpack(
 
 def to_ep_handle(handle: TensorHandle) -> EPHandle:
     """The ``EPHandle`` a TensorHandle stands for (eager use: its stats, or ``buffer.combine``)."""
-    return _unpack(handle.routing, handle.recv_src_metadata, handle.recv_expanded_row_idx, *handle.statics())[1]
+    return _unpack(handle.routing, handle.recv_src_info, handle.recv_expanded_row_idx, *handle.statics())[1]
 
 
 def _dispatch_outputs(outputs: tuple, num_topk: int, device: torch.device) -> tuple:
@@ -305,7 +306,7 @@ def _ht_dispatch(
     unaligned = handle.num_unaligned_recv_tokens_per_expert
     starts = handle.psum_num_recv_tokens_per_expert - unaligned
     expert_counts = torch.stack([unaligned, starts]).to(torch.int32)
-    return recv_x, recv_topk_idx, recv_topk_weights, _pack(handle), handle.recv_src_metadata, expanded, expert_counts
+    return recv_x, recv_topk_idx, recv_topk_weights, _pack(handle), handle.recv_src_info, expanded, expert_counts
 
 
 def _fake_dispatch_outputs(
@@ -344,17 +345,17 @@ def _ht_dispatch_fake(
     )
     ints = _routing_ints(buffer, num_tokens, hidden, num_topk, num_experts, num_max_tokens_per_rank)
     routing = x.new_empty((ints,), dtype=torch.int32)
-    metadata = x.new_empty((num_rows, _C.HT_SRC_METADATA_COLUMNS), dtype=torch.int32)
+    src_info = x.new_empty((num_rows, _C.HT_SRC_INFO_COLUMNS), dtype=torch.int32)
     expanded = x.new_empty((num_rows, num_topk) if do_expand else (0, num_topk), dtype=torch.int32)
     expert_counts = x.new_empty((2, num_experts // buffer.num_ranks), dtype=torch.int32)
-    return recv_x, recv_topk_idx, recv_topk_weights, routing, metadata, expanded, expert_counts
+    return recv_x, recv_topk_idx, recv_topk_weights, routing, src_info, expanded, expert_counts
 
 
 @torch.library.custom_op("deep_ep::ht_cached_dispatch", mutates_args=())
 def _ht_cached_dispatch(
     x: torch.Tensor,
     routing: torch.Tensor,
-    recv_src_metadata: torch.Tensor,
+    recv_src_info: torch.Tensor,
     recv_expanded_row_idx: torch.Tensor,
     topk_weights: torch.Tensor | None,
     buffer_id: int,
@@ -369,7 +370,7 @@ def _ht_cached_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     buffer, handle = _unpack(
         routing,
-        recv_src_metadata,
+        recv_src_info,
         recv_expanded_row_idx,
         buffer_id,
         num_tokens,
@@ -394,7 +395,7 @@ def _ht_cached_dispatch(
 def _ht_cached_dispatch_fake(
     x,
     routing,
-    recv_src_metadata,
+    recv_src_info,
     recv_expanded_row_idx,
     topk_weights,
     buffer_id,
@@ -424,7 +425,7 @@ def _ht_cached_dispatch_fake(
 def _ht_combine(
     x: torch.Tensor,
     routing: torch.Tensor,
-    recv_src_metadata: torch.Tensor,
+    recv_src_info: torch.Tensor,
     recv_expanded_row_idx: torch.Tensor,
     topk_weights: torch.Tensor | None,
     bias0: torch.Tensor | None,
@@ -441,7 +442,7 @@ def _ht_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     buffer, handle = _unpack(
         routing,
-        recv_src_metadata,
+        recv_src_info,
         recv_expanded_row_idx,
         buffer_id,
         num_tokens,
@@ -472,7 +473,7 @@ def _ht_combine(
 def _ht_combine_fake(
     x,
     routing,
-    recv_src_metadata,
+    recv_src_info,
     recv_expanded_row_idx,
     topk_weights,
     bias0,
@@ -502,7 +503,7 @@ def _zeros_if_none(grad: Any, shape: Any, dtype: torch.dtype, like: torch.Tensor
 
 def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, topk_idx, topk_weights, buffer_id, num_experts, t_max, alignment, num_sms, do_expand = inputs
-    recv_x, _, recv_topk_weights, routing, metadata, expanded, _ = output
+    recv_x, _, recv_topk_weights, routing, src_info, expanded, _ = output
     ctx.statics = (
         buffer_id,
         x.shape[0],
@@ -515,27 +516,27 @@ def _dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         num_sms,
     )
     _save_backward_state(
-        ctx, recv_x, recv_topk_weights if topk_weights is not None else None, routing, metadata, expanded
+        ctx, recv_x, recv_topk_weights if topk_weights is not None else None, routing, src_info, expanded
     )
 
 
 def _save_backward_state(
-    ctx: Any, recv_x: Any, recv_topk_weights: Any, routing: Any, metadata: Any, expanded: Any
+    ctx: Any, recv_x: Any, recv_topk_weights: Any, routing: Any, src_info: Any, expanded: Any
 ) -> None:
     ctx.recv_shape = recv_x.shape
     ctx.weights_shape = None if recv_topk_weights is None else recv_topk_weights.shape
-    ctx.save_for_backward(routing, metadata, expanded)
+    ctx.save_for_backward(routing, src_info, expanded)
 
 
 def _combine_of_gradients(ctx: Any, grad_recv_x: Any, grad_recv_topk_weights: Any) -> tuple:
     """Backward of a (cached) dispatch: the combine op over the gradients (always run: collective)."""
-    routing, metadata, expanded = ctx.saved_tensors
+    routing, src_info, expanded = ctx.saved_tensors
     grad_recv_x = _zeros_if_none(grad_recv_x, ctx.recv_shape, torch.bfloat16, routing)
     weights = None
     if ctx.weights_shape is not None:
         weights = _zeros_if_none(grad_recv_topk_weights, ctx.weights_shape, torch.float32, routing)
     grad_x, grad_weights = torch.ops.deep_ep.ht_combine(
-        grad_recv_x.to(torch.bfloat16), routing, metadata, expanded, weights, None, None, *ctx.statics
+        grad_recv_x.to(torch.bfloat16), routing, src_info, expanded, weights, None, None, *ctx.statics
     )
     return grad_x, (grad_weights if ctx.weights_shape is not None else None)
 
@@ -546,11 +547,11 @@ def _dispatch_backward(ctx: Any, grad_recv_x: Any, _grad_idx: Any, grad_recv_top
 
 
 def _cached_dispatch_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _x, routing, metadata, expanded, topk_weights, *statics = inputs
+    _x, routing, src_info, expanded, topk_weights, *statics = inputs
     recv_x, _, recv_topk_weights = output
     ctx.statics = tuple(statics)
     _save_backward_state(
-        ctx, recv_x, recv_topk_weights if topk_weights is not None else None, routing, metadata, expanded
+        ctx, recv_x, recv_topk_weights if topk_weights is not None else None, routing, src_info, expanded
     )
 
 
@@ -560,17 +561,17 @@ def _cached_dispatch_backward(ctx: Any, grad_recv_x: Any, _grad_idx: Any, grad_r
 
 
 def _combine_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _x, routing, metadata, expanded, topk_weights, bias0, bias1, *statics = inputs
+    _x, routing, src_info, expanded, topk_weights, bias0, bias1, *statics = inputs
     combined_x, _ = output
     ctx.statics = tuple(statics)
     ctx.combined_shape = combined_x.shape
     ctx.has_weights = topk_weights is not None
     ctx.has_bias = (bias0 is not None, bias1 is not None)
-    ctx.save_for_backward(routing, metadata, expanded)
+    ctx.save_for_backward(routing, src_info, expanded)
 
 
 def _combine_backward(ctx: Any, grad_combined_x: Any, grad_combined_topk_weights: Any) -> tuple:
-    routing, metadata, expanded = ctx.saved_tensors
+    routing, src_info, expanded = ctx.saved_tensors
     # statics: (buffer_id, num_tokens, hidden, num_topk, num_experts, T_max, alignment, do_expand, num_sms)
     num_tokens, num_topk, do_expand = ctx.statics[1], ctx.statics[3], ctx.statics[7]
     grad = _zeros_if_none(grad_combined_x, ctx.combined_shape, torch.bfloat16, routing).to(torch.bfloat16)
@@ -578,7 +579,7 @@ def _combine_backward(ctx: Any, grad_combined_x: Any, grad_combined_topk_weights
     if ctx.has_weights:
         weights = _zeros_if_none(grad_combined_topk_weights, (num_tokens, num_topk), torch.float32, routing)
     grad_x, recv_topk_idx, grad_weights = torch.ops.deep_ep.ht_cached_dispatch(
-        grad, routing, metadata, expanded, weights, *ctx.statics
+        grad, routing, src_info, expanded, weights, *ctx.statics
     )
     if not ctx.has_weights:
         grad_weights = None
@@ -677,10 +678,10 @@ def dispatch(
         num_sms,
         do_expand,
     )
-    recv_x, recv_topk_idx, recv_topk_weights, routing, metadata, expanded, expert_counts = outputs
+    recv_x, recv_topk_idx, recv_topk_weights, routing, src_info, expanded, expert_counts = outputs
     handle = TensorHandle(
         routing,
-        metadata,
+        src_info,
         expanded,
         expert_counts,
         recv_x.shape[0],
@@ -712,7 +713,7 @@ def cached_dispatch(
     recv_x, recv_topk_idx, recv_topk_weights = torch.ops.deep_ep.ht_cached_dispatch(
         x,
         handle.routing,
-        handle.recv_src_metadata,
+        handle.recv_src_info,
         handle.recv_expanded_row_idx,
         topk_weights,
         *_statics_with_registration(buffer, handle),
@@ -758,7 +759,7 @@ def combine(
     combined_x, combined_topk_weights = torch.ops.deep_ep.ht_combine(
         x,
         handle.routing,
-        handle.recv_src_metadata,
+        handle.recv_src_info,
         handle.recv_expanded_row_idx,
         topk_weights,
         bias0,

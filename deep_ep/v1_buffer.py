@@ -43,9 +43,12 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   comm stream (whatever ``allocate_on_comm_stream`` says) and handed to the caller's stream with
   ``record_stream``: memory the caller's stream freed is never reused while that stream may still
   use it (the core does the same).
+* **Rank masking** as V1's ``enable_shrink`` mode (needs ``low_latency_mode=True``): the LL window
+  is built with ``enable_rank_masking``; a low-latency wait that times out masks the peer instead
+  of failing, and the ``low_latency_*_mask_buffer`` calls update, query and clean the mask (before
+  the first LL call the mask is kept here and applied when the window is built).
 * **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): ``allow_mnnvl``,
-  ``use_fabric``, ``enable_shrink`` and the ``low_latency_*_mask_buffer`` calls (rank masking,
-  :data:`RANK_MASKING_ISSUE`), ``comm``, ``use_logfmt``, and a dispatch without ``topk_idx``.
+  ``use_fabric``, ``comm``, ``use_logfmt``, and a dispatch without ``topk_idx``.
   Accepted without effect: ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` (no RDMA
   queue pairs exist here; every LL peer is load/store reachable) and the chunk sizes of a V1
   ``Config`` (V1's ring-buffer tuning; only ``config.num_sms`` maps onto the core).
@@ -80,7 +83,6 @@ from deep_ep.low_latency import LowLatencyHandle
 from deep_ep.window import window_tensor
 
 __all__ = [
-    "RANK_MASKING_ISSUE",
     "Buffer",
     "DispatchHandle",
     "LowLatencyDispatchHandle",
@@ -97,7 +99,6 @@ __all__ = [
     "zero_foreign_weights",
 ]
 
-RANK_MASKING_ISSUE = "issue 11 §5 (rank masking)"
 
 # V1's default SM count for HT kernels (Buffer.num_sms); set_num_sms changes it for every buffer.
 _V1_DEFAULT_NUM_SMS = 20
@@ -112,7 +113,6 @@ def check_unbacked_options(
     *,
     allow_mnnvl: bool = False,
     use_fabric: bool = False,
-    enable_shrink: bool = False,
     comm: Any = None,
 ) -> None:
     """Raise NotImplementedError naming the first V1 constructor option the core does not back."""
@@ -125,11 +125,6 @@ def check_unbacked_options(
         raise NotImplementedError(
             "Buffer(use_fabric=True) is not implemented: windows are shared through NCCL windows or CUDA IPC, "
             "not fabric memory handles"
-        )
-    if enable_shrink:
-        raise NotImplementedError(
-            "Buffer(enable_shrink=True) is not implemented: the low-latency rank masks (shrinking a group around "
-            f"failed ranks, {RANK_MASKING_ISSUE}) do not exist here; a failed peer raises CommTimeoutError naming it"
         )
     if comm is not None:
         raise NotImplementedError(
@@ -315,7 +310,7 @@ def v1_dispatch_outputs(
         core_handle = dataclasses.replace(
             core_handle,
             num_recv_tokens=rows,
-            recv_src_metadata=core_handle.recv_src_metadata.narrow(0, 0, min(rows, core_rows)),
+            recv_src_info=core_handle.recv_src_info.narrow(0, 0, min(rows, core_rows)),
         )
     if recv_topk_weights is not None and recv_topk_idx is not None:
         zero_foreign_weights(recv_topk_idx, recv_topk_weights)
@@ -466,8 +461,7 @@ class DispatchHandle:
     def recv_src_idx(self) -> torch.Tensor:
         """int32 [num_recv_tokens]: the source rank's token index of each received row (V1's
         ``recv_src_idx``; rows past the received count are undefined with ``num_worst_tokens``)."""
-        metadata = self.core.recv_src_metadata
-        column = metadata[:, 1].contiguous()  # (source rank, source token, combine slot) per row
+        column = self.core.recv_src_info[:, 1].contiguous()  # (source rank, source token, j, master lane) per row
         if column.shape[0] < self.num_recv_tokens:
             column = fit_rows(column, self.num_recv_tokens, -1)
         return column
@@ -526,7 +520,10 @@ class DispatchHandle:
                 "builds the whole matrix with one all-gather over the group (collective)"
             )
         elif name == "recv_src_meta":
-            reason = "is V1's internode per-row source record; handle.core.recv_src_metadata holds ours"
+            reason = (
+                "is V1's internode per-row source record; handle.core.recv_src_info holds ours "
+                "(handle.core.recv_src_metadata: DeepEP V2's layout)"
+            )
         elif name == "recv_rdma_rank_prefix_sum":
             reason = "counts V1's per-node forwarding; the hybrid routing here keeps other per-node counts"
         else:
@@ -637,9 +634,9 @@ class Buffer:
     captured.
 
     ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` are accepted and recorded (no RDMA
-    queue pairs here; LL peers are load/store reachable). ``allow_mnnvl``, ``use_fabric``,
-    ``enable_shrink`` and ``comm`` raise NotImplementedError before anything is allocated
-    (:func:`check_unbacked_options`).
+    queue pairs here; LL peers are load/store reachable). ``allow_mnnvl``, ``use_fabric`` and
+    ``comm`` raise NotImplementedError before anything is allocated (:func:`check_unbacked_options`);
+    ``enable_shrink`` (rank masking) needs ``low_latency_mode=True``.
 
     ``explicitly_destroy`` as V1: True means the caller releases the buffer with :meth:`destroy`
     (collective: a closing barrier through each window makes sure no peer still uses it, then it is
@@ -653,6 +650,8 @@ class Buffer:
     low_latency_mode: bool = False
     _ll_core: ElasticBuffer | None = None
     _ll_sizing: tuple[int, int, int] | None = None
+    enable_shrink: bool = False
+    _pending_masked_ranks: frozenset[int] | set[int] = frozenset()
 
     def __init__(
         self,
@@ -669,12 +668,12 @@ class Buffer:
         comm: Any = None,
     ) -> None:
         self._core: ElasticBuffer | None = None
-        check_unbacked_options(
-            allow_mnnvl=allow_mnnvl,
-            use_fabric=use_fabric,
-            enable_shrink=enable_shrink,
-            comm=comm,
-        )
+        check_unbacked_options(allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, comm=comm)
+        if enable_shrink and not low_latency_mode:
+            raise ValueError(
+                "Buffer(enable_shrink=True) masks failed ranks in low-latency operations: it needs "
+                "low_latency_mode=True"
+            )
         num_bytes = window_num_bytes(num_nvl_bytes, num_rdma_bytes)  # checks both budgets
         if low_latency_mode:
             num_bytes = window_num_bytes(num_nvl_bytes, 0)  # num_rdma_bytes is the LL window's budget
@@ -1271,6 +1270,7 @@ class Buffer:
             hidden=hidden,
             num_experts=num_experts,
             explicitly_destroy=self.explicitly_destroy,
+            enable_rank_masking=self.enable_shrink,
         )
 
     def _low_latency_core_for(self, operation: str, check_sizing: Callable[[], tuple]) -> ElasticBuffer:
@@ -1314,6 +1314,9 @@ class Buffer:
             )
         core = self._build_low_latency_core(*sizing)
         self._ll_core, self._ll_sizing = core, sizing
+        for rank in sorted(self._pending_masked_ranks):  # masked before the window existed
+            core.low_latency_update_mask_buffer(rank, True)
+        self._pending_masked_ranks = set()
         return core
 
     def _low_latency_mismatch(self, x: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any) -> str | None:
@@ -1505,23 +1508,52 @@ class Buffer:
                 f"num_experts={built[2]}"
             )
 
-    # ------------------------------------------------------------------ rank masking (not provided)
+    # ------------------------------------------------------------------ rank masking (enable_shrink)
 
-    def _rank_masking(self, name: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"Buffer.{name} is not implemented: the low-latency rank masks (V1's enable_shrink mode, shrinking "
-            f"the group around failed ranks) are {RANK_MASKING_ISSUE}; here a failed peer raises CommTimeoutError "
-            "naming it"
-        )
+    def _mask_core(self, name: str) -> ElasticBuffer | None:
+        """The LL core the mask calls act on; None before the first LL call built it (the mask is then
+        kept here and applied when the window is built)."""
+        self._usable_core()
+        if not self.enable_shrink:
+            raise RuntimeError(
+                f"Buffer.{name} needs rank masking: build the Buffer with low_latency_mode=True and enable_shrink=True"
+            )
+        return self._ll_core if self._ll_core is None else self._usable_ll_core(name)
 
-    def low_latency_update_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
-        raise self._rank_masking("low_latency_update_mask_buffer")
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or restore a rank in this rank's low-latency rank mask: a masked rank
+        is neither sent to nor waited for, its experts count as absent (combine contributions zero).
+        A low-latency wait that times out masks its peer the same way (docs/api.md, "Rank masking")."""
+        core = self._mask_core("low_latency_update_mask_buffer")
+        if core is not None:
+            core.low_latency_update_mask_buffer(rank_to_mask, mask)
+            return
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        if rank_to_mask == self.rank:
+            raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
+        others = set(self._pending_masked_ranks) - {rank_to_mask}
+        self._pending_masked_ranks = others | {rank_to_mask} if mask else others
 
-    def low_latency_query_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
-        raise self._rank_masking("low_latency_query_mask_buffer")
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy the rank mask (1 = masked) into ``mask_status``, int32 with one entry per rank."""
+        core = self._mask_core("low_latency_query_mask_buffer")
+        if core is not None:
+            core.low_latency_query_mask_buffer(mask_status)
+            return
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32:
+            raise ValueError(f"mask_status must be an int32 tensor of {self.group_size} elements")
+        if mask_status.numel() != self.group_size:
+            raise ValueError(f"mask_status must be an int32 tensor of {self.group_size} elements")
+        values = [1 if rank in self._pending_masked_ranks else 0 for rank in range(self.group_size)]
+        mask_status.view(-1).copy_(torch.tensor(values, dtype=torch.int32))
 
-    def low_latency_clean_mask_buffer(self, *args: Any, **kwargs: Any) -> None:
-        raise self._rank_masking("low_latency_clean_mask_buffer")
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Restore every rank (a restored rank that is still gone is masked again by the next wait on it)."""
+        core = self._mask_core("low_latency_clean_mask_buffer")
+        if core is not None:
+            core.low_latency_clean_mask_buffer()
+        self._pending_masked_ranks = set()
 
 
 def _capturing() -> bool:

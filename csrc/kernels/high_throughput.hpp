@@ -39,8 +39,15 @@ constexpr int kMappedNumExpandedTokens = 1;           // expanded rows N' (sum o
 constexpr int kMappedAlignedExpertCounts = 2;         // [L] aligned per-local-expert counts
 constexpr int kMappedReady = kNumMappedCounters - 1;  // set to 1 last, with a system-scope release
 
-// Metadata columns of every received (non-expand) row: source rank, source token, combine row j.
-constexpr int kSrcMetadataColumns = 3;
+// Source record of every received (non-expand) row (the handle's recv_src_info), one int32 each:
+// source rank, source token, combine row j, and the master lane (first top-k lane whose expert is on
+// the receiving rank). Combine reads the first three; the handle builds DeepEP V2's
+// recv_src_metadata from columns 0, 1 and 3.
+constexpr int kSrcInfoSourceRank = 0;
+constexpr int kSrcInfoSourceToken = 1;
+constexpr int kSrcInfoCombineRow = 2;
+constexpr int kSrcInfoMasterLane = 3;
+constexpr int kSrcInfoColumns = 4;
 
 // Per-call routing counts of one rank (int32, one allocation owned by the handle). Offsets in ints.
 struct CountsLayout {
@@ -163,12 +170,12 @@ struct EpilogueArgs {
   bool has_weights = false;             // senders wrote weights into the slots
   const int32_t* counts = nullptr;      // counts_layout(R, L)
   int64_t num_rows_allocated = 0;       // rows of recv_x (N or N' capacity); writes beyond are skipped
-  int64_t num_meta_rows_allocated = 0;  // rows of recv_src_metadata / recv_expanded_rows
+  int64_t num_meta_rows_allocated = 0;  // rows of recv_src_info / recv_expanded_rows
   void* recv_x = nullptr;
   float* recv_x_scales = nullptr;
   int64_t* recv_topk_idx = nullptr;       // non-expand [N, K] local ids
   float* recv_topk_weights = nullptr;     // non-expand [N, K]; expand [N']
-  int32_t* recv_src_metadata = nullptr;   // [N, 3]; nullptr in cached mode (already in the handle)
+  int32_t* recv_src_info = nullptr;       // [N, 4]; nullptr in cached mode (already in the handle)
   int32_t* recv_expanded_rows = nullptr;  // expand [N, K]; nullptr in cached mode
   int num_ctas = 1;
 };
@@ -180,7 +187,7 @@ struct CombineArgs {
   const void* x = nullptr;                      // bf16 [N or N', H]; nullptr: send zero rows
   const float* topk_weights = nullptr;          // [N, K] or expand [N']; nullptr: no weights
   const int32_t* counts = nullptr;              // the handle's counts_layout(R, L); nullptr: no row
-  const int32_t* recv_src_metadata = nullptr;   // [N, 3]
+  const int32_t* recv_src_info = nullptr;       // [N, 4]
   const int32_t* recv_expanded_rows = nullptr;  // expand [N, K]
   int64_t num_meta_rows = 0;                    // N the host allocated the two arrays above for
   // Hybrid mode (the forwarder's node partials): own routing and the handle's hybrid arrays.

@@ -1,6 +1,6 @@
 // HT combine. Direct: every received token row goes back to its home rank, into row
 // [j][source token] of the home rank's combine area, j = index of this rank among the token's
-// distinct destination ranks (ascending; kept in recv_src_metadata by the dispatch epilogue).
+// distinct destination ranks (ascending; kept in recv_src_info by the dispatch epilogue).
 // Hybrid: the row goes over load/store to the token's forwarder on this node (the home rank's rail
 // peer here), row [j][home node][token] with j counted among the token's ranks on this node; after
 // a node barrier each forwarder sums its node's rows per token (ascending rank, fp32, one bf16
@@ -251,10 +251,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
 
   const int64_t first_warp = int64_t{blockIdx.x} * kCombineWarps + threadIdx.x / 32;
   for (int64_t row = first_warp; row < num_rows; row += int64_t{gridDim.x} * kCombineWarps) {
-    const int32_t* meta = args.recv_src_metadata + row * kSrcMetadataColumns;
-    const int source = __ldg(meta);
-    const int64_t source_token = __ldg(meta + 1);
-    const int combine_row = __ldg(meta + 2);
+    const int32_t* info = args.recv_src_info + row * kSrcInfoColumns;
+    const int source = __ldg(info + kSrcInfoSourceRank);
+    const int64_t source_token = __ldg(info + kSrcInfoSourceToken);
+    const int combine_row = __ldg(info + kSrcInfoCombineRow);
     // Direct: the home rank's row [j][token]. Hybrid: the forwarder of the source's tokens on this
     // node (its rail peer here), row [j][source node][token].
     const int receiver = call.hybrid() ? call.rail_peer(source, node) : source;
@@ -311,8 +311,7 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   // With no received rows (every rank dispatched nothing here) the per-row arrays are empty, so
   // their pointers may be null; the kernel reads no row then.
   EP_REQUIRE(args.num_meta_rows >= 0, "num_meta_rows must be >= 0, got " + std::to_string(args.num_meta_rows));
-  EP_REQUIRE(args.num_meta_rows == 0 || args.recv_src_metadata != nullptr,
-             "combine needs the handle's source metadata");
+  EP_REQUIRE(args.num_meta_rows == 0 || args.recv_src_info != nullptr, "combine needs the handle's recv_src_info");
   EP_REQUIRE(args.num_meta_rows == 0 || args.x == nullptr || !args.do_expand || args.recv_expanded_rows != nullptr,
              "expand combine needs the expanded row map");
   EP_REQUIRE(args.x != nullptr || args.input_failed || args.num_meta_rows == 0,

@@ -89,6 +89,9 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     // j = how many of the token's distinct destination ranks in scope are below this rank.
     const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
     const int combine_row = distinct_ranks_in(expert_rank, first_lanes, scope_first, view.rank);
+    // DeepEP V2 names a received row by its master lane: the first top-k lane whose expert is here.
+    // Every received row has one (the token came because of it); -1 would mean a corrupt slot.
+    const int master_lane = __ffs(__ballot_sync(kFullMask, local >= 0)) - 1;
     const bool has_meta_row = row < args.num_meta_rows_allocated;
 
     if (!args.do_expand) {
@@ -123,11 +126,12 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
         args.recv_expanded_rows[row * num_topk + lane] = writes ? static_cast<int32_t>(position) : -1;
       }
     }
-    if (args.recv_src_metadata != nullptr && has_meta_row && lane == 0) {
-      int32_t* meta = args.recv_src_metadata + row * kSrcMetadataColumns;
-      meta[0] = source;
-      meta[1] = __ldg(reinterpret_cast<const int32_t*>(slot + token.src_offset));
-      meta[2] = combine_row;
+    if (args.recv_src_info != nullptr && has_meta_row && lane == 0) {
+      int32_t* info = args.recv_src_info + row * kSrcInfoColumns;
+      info[kSrcInfoSourceRank] = source;
+      info[kSrcInfoSourceToken] = __ldg(reinterpret_cast<const int32_t*>(slot + token.src_offset));
+      info[kSrcInfoCombineRow] = combine_row;
+      info[kSrcInfoMasterLane] = master_lane;
     }
   }
 

@@ -55,7 +55,7 @@ void register_high_throughput(py::module_& m) {
   m.attr("HT_MAPPED_NUM_EXPANDED_TOKENS") = ht::kMappedNumExpandedTokens;
   m.attr("HT_MAPPED_ALIGNED_EXPERT_COUNTS") = ht::kMappedAlignedExpertCounts;
   m.attr("HT_MAPPED_READY") = ht::kMappedReady;
-  m.attr("HT_SRC_METADATA_COLUMNS") = ht::kSrcMetadataColumns;
+  m.attr("HT_SRC_INFO_COLUMNS") = ht::kSrcInfoColumns;
   m.attr("HT_MAX_CHANNELS") = kMaxChannels;
 
   py::class_<HtCall>(m, "HtCall")
@@ -152,7 +152,7 @@ void register_high_throughput(py::module_& m) {
         [](Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment, bool has_weights,
            std::uintptr_t counts, int64_t num_rows_allocated, int64_t num_meta_rows_allocated, std::uintptr_t recv_x,
            std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
-           std::uintptr_t recv_src_metadata, std::uintptr_t recv_expanded_rows, int num_ctas, std::uintptr_t stream) {
+           std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows, int num_ctas, std::uintptr_t stream) {
           ht::EpilogueArgs args;
           args.view = runtime.device_view();
           args.call = call;
@@ -166,7 +166,7 @@ void register_high_throughput(py::module_& m) {
           args.recv_x_scales = pointer<float>(recv_x_scales);
           args.recv_topk_idx = pointer<int64_t>(recv_topk_idx);
           args.recv_topk_weights = pointer<float>(recv_topk_weights);
-          args.recv_src_metadata = pointer<int32_t>(recv_src_metadata);
+          args.recv_src_info = pointer<int32_t>(recv_src_info);
           args.recv_expanded_rows = pointer<int32_t>(recv_expanded_rows);
           args.num_ctas = num_ctas;
           ht::launch_dispatch_epilogue(args, as_stream(stream));
@@ -174,7 +174,7 @@ void register_high_throughput(py::module_& m) {
 
   m.def("ht_combine",
         [](Runtime& runtime, const HtCall& call, bool do_expand, std::uintptr_t x, std::uintptr_t topk_weights,
-           std::uintptr_t counts, std::uintptr_t recv_src_metadata, std::uintptr_t recv_expanded_rows,
+           std::uintptr_t counts, std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows,
            int64_t num_meta_rows, int num_tokens, std::uintptr_t topk_idx, std::uintptr_t hybrid_block, int num_sms,
            std::uintptr_t stream, bool input_failed) {
           ht::CombineArgs args;
@@ -184,7 +184,7 @@ void register_high_throughput(py::module_& m) {
           args.x = pointer<const void>(x);
           args.topk_weights = pointer<const float>(topk_weights);
           args.counts = pointer<const int32_t>(counts);
-          args.recv_src_metadata = pointer<const int32_t>(recv_src_metadata);
+          args.recv_src_info = pointer<const int32_t>(recv_src_info);
           args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
           args.num_meta_rows = num_meta_rows;
           args.num_tokens = num_tokens;

@@ -22,7 +22,7 @@ from deep_ep.testing.reference_inputs import (
     sanitize_topk_idx,
 )
 
-__all__ = ["ht_dispatch", "ht_combine"]
+__all__ = ["ht_dispatch", "ht_combine", "ht_src_info", "ht_expanded_row_idx", "v2_recv_src_metadata"]
 
 BiasInput = torch.Tensor | tuple[torch.Tensor | None, ...] | list[torch.Tensor | None] | None
 
@@ -57,8 +57,7 @@ def ht_dispatch(
 
 
 def _received_tokens(group: GroupInputs, source: int, dest: int) -> torch.Tensor:
-    local_ids = local_expert_ids(group.topk_idx[source], dest, group.num_local_experts)
-    return (local_ids >= 0).any(dim=1).nonzero().squeeze(1)
+    return _received_by(group.topk_idx[source], dest, group.num_local_experts)
 
 
 def _count_lists(group: GroupInputs, dest: int, per_expert: list[int], alignment: int) -> dict:
@@ -141,6 +140,117 @@ def _dispatch_expanded(group: GroupInputs, dest: int, alignment: int) -> dict:
         "local_expert": local_expert,
         **counts,
     }
+
+
+def ht_src_info(
+    topk_idxs: list[torch.Tensor], num_experts: int, *, num_ranks_per_node: int | None = None
+) -> list[torch.Tensor]:
+    """What dispatch keeps of each received row for combine (``EPHandle.recv_src_info``): one int32
+    ``[N, 4]`` per destination rank ``d``, rows in the non-expand order (source rank, source token)
+    whatever the dispatch mode. Columns: source rank ``s``, source token ``t``, ``j`` and the
+    master lane.
+
+    ``j`` is the row's combine slot at the source: the number of the token's distinct destination
+    ranks below ``d``, counted over all ranks in direct mode (``num_ranks_per_node`` None or R) and
+    over the ranks of ``d``'s node in hybrid mode (``num_ranks_per_node = S``: rank ``d`` is on node
+    ``d // S``, whose forwarder sums them). The master lane is the first top-k slot ``k`` whose
+    expert lives on ``d`` (DeepEP V2's ``master_src_topk_idx``). Routing is sanitised as in
+    ``ht_dispatch``.
+    """
+    routing, num_local = _sanitized_routing(topk_idxs, num_experts)
+    num_ranks = len(routing)
+    node_size = _check_num_ranks_per_node(num_ranks_per_node, num_ranks)
+    results = []
+    for dest in range(num_ranks):
+        scope_first = dest // node_size * node_size
+        pieces = []
+        for source, topk_idx in enumerate(routing):
+            tokens = _received_by(topk_idx, dest, num_local)
+            selected = topk_idx[tokens]
+            expert_rank = torch.where(selected >= 0, selected // num_local, torch.full_like(selected, -1))
+            # visits[i, r]: row i's token goes to rank r (once, however many of its experts r holds).
+            all_ranks = torch.arange(num_ranks, device=selected.device)
+            visits = (expert_rank.unsqueeze(2) == all_ranks).any(dim=1)
+            combine_row = visits[:, scope_first:dest].sum(dim=1)
+            # The smallest slot whose expert is on dest (every received token has one).
+            lanes = torch.arange(selected.shape[1], device=selected.device).expand_as(selected)
+            master_lane = torch.where(expert_rank == dest, lanes, selected.shape[1]).min(dim=1).values
+            pieces.append(torch.stack([torch.full_like(tokens, source), tokens, combine_row, master_lane], dim=1))
+        results.append(torch.cat(pieces).to(torch.int32))
+    return results
+
+
+def ht_expanded_row_idx(
+    topk_idxs: list[torch.Tensor], num_experts: int, *, expert_alignment: int = 1
+) -> list[torch.Tensor]:
+    """``EPHandle.recv_expanded_row_idx`` of an expand dispatch: one int32 ``[N, K]`` per destination
+    rank, rows in the non-expand order (as ``ht_src_info``): entry ``[i, k]`` is the row of the
+    expand output (``ht_dispatch(..., do_expand=True)``) holding received row ``i`` for the expert
+    of slot ``k``, -1 where that expert lives elsewhere (or the slot is -1 after sanitising).
+    """
+    if expert_alignment < 1:
+        raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+    routing, num_local = _sanitized_routing(topk_idxs, num_experts)
+    results = []
+    for dest in range(len(routing)):
+        local_ids = torch.cat(
+            [
+                local_expert_ids(topk_idx, dest, num_local)[_received_by(topk_idx, dest, num_local)]
+                for topk_idx in routing
+            ]
+        )
+        expanded = torch.full(local_ids.shape, -1, dtype=torch.int32, device=local_ids.device)
+        group_start = 0
+        for local in range(num_local):
+            # Group ``local`` lists its rows in received-row order, (source, token) ascending.
+            rows, slots = (local_ids == local).nonzero(as_tuple=True)
+            expanded[rows, slots] = torch.arange(
+                group_start, group_start + rows.numel(), dtype=torch.int32, device=local_ids.device
+            )
+            group_start += align_up(rows.numel(), expert_alignment)
+        results.append(expanded)
+    return results
+
+
+def v2_recv_src_metadata(
+    src_info: torch.Tensor,
+    num_topk: int,
+    num_max_tokens_per_rank: int,
+    expanded_row_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepEP V2's ``recv_src_metadata`` of one rank (``EPHandle.recv_src_metadata``): int32
+    ``[N, K + 2]`` from that rank's ``ht_src_info`` rows. Column 0: the source's global token id
+    ``s * T_max + t``; column 1: ``s * K + master lane``; columns ``2 .. K + 1``: the expand dispatch's
+    ``expanded_row_idx`` rows (``ht_expanded_row_idx``), or -1 everywhere without it (non-expand)."""
+    num_rows = src_info.shape[0]
+    if src_info.dim() != 2 or src_info.shape[1] != 4:
+        raise ValueError(f"src_info must be [N, 4] (ht_src_info), got {describe(src_info)}")
+    if expanded_row_idx is not None and list(expanded_row_idx.shape) != [num_rows, num_topk]:
+        raise ValueError(f"expanded_row_idx must be [{num_rows}, {num_topk}], got {describe(expanded_row_idx)}")
+    info = src_info.to(torch.int64)
+    global_token = info[:, 0] * num_max_tokens_per_rank + info[:, 1]
+    master = info[:, 0] * num_topk + info[:, 3]
+    if expanded_row_idx is None:
+        lanes = torch.full((num_rows, num_topk), -1, dtype=torch.int64, device=src_info.device)
+    else:
+        lanes = expanded_row_idx.to(torch.int64)
+    return torch.cat([global_token.unsqueeze(1), master.unsqueeze(1), lanes], dim=1).to(torch.int32)
+
+
+def _sanitized_routing(topk_idxs: list[torch.Tensor], num_experts: int) -> tuple[list[torch.Tensor], int]:
+    """Every rank's sanitised routing and L, with the checks ``ht_dispatch`` applies to it."""
+    num_local = num_local_experts(num_experts, len(topk_idxs))
+    num_topk = topk_idxs[0].shape[-1]
+    for rank, topk_idx in enumerate(topk_idxs):
+        check_topk_idx(f"topk_idxs[{rank}]", topk_idx, topk_idx.shape[0])
+        if topk_idx.shape[1] != num_topk:
+            raise ValueError(f"topk_idxs[{rank}] must have K={num_topk} like topk_idxs[0], got {describe(topk_idx)}")
+    return [sanitize_topk_idx(topk_idx, num_experts) for topk_idx in topk_idxs], num_local
+
+
+def _received_by(topk_idx: torch.Tensor, dest: int, num_local: int) -> torch.Tensor:
+    """Tokens of one source (sanitised routing) that go to ``dest``, ascending."""
+    return (local_expert_ids(topk_idx, dest, num_local) >= 0).any(dim=1).nonzero().squeeze(1)
 
 
 def ht_combine(

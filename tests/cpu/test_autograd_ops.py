@@ -191,10 +191,10 @@ class FakeBuffer:
         for name, value in fields.items():
             counts[layout[name] : layout[name] + value.numel()] = value
         view = {name: counts[layout[name] : layout[name] + fields[name].numel()] for name in fields}
-        metadata = torch.full((num_recv, 3), 7, dtype=torch.int32)
+        src_info = torch.full((num_recv, 4), 7, dtype=torch.int32)
         if not do_expand:
-            metadata[:exact_recv, 0] = ref["src_rank"].to(torch.int32)
-            metadata[:exact_recv, 1] = ref["src_token"].to(torch.int32)
+            src_info[:exact_recv, 0] = ref["src_rank"].to(torch.int32)
+            src_info[:exact_recv, 1] = ref["src_token"].to(torch.int32)
         new_handle = EPHandle(
             do_expand=do_expand,
             num_experts=num_experts,
@@ -208,7 +208,7 @@ class FakeBuffer:
             psum_num_recv_tokens_per_scaleup_rank=view["psum_per_source"],
             psum_num_recv_tokens_per_expert=view["psum_per_expert"],
             num_unaligned_recv_tokens_per_expert=view["unaligned_per_expert"],
-            recv_src_metadata=metadata,
+            recv_src_info=src_info,
             dst_buffer_slot_idx=torch.arange(num_tokens * num_topk, dtype=torch.int32).view(num_tokens, num_topk),
             num_ranks=self.num_ranks,
             num_tokens=num_tokens,
@@ -610,7 +610,7 @@ def test_fake_shapes_are_the_worst_case(do_expand):
         )
         counts_total = _counts_layout(num_ranks, num_local)["total"]
         assert routing.shape == (4 * 10 * num_topk + counts_total,) and routing.dtype == torch.int32
-        assert metadata.shape == (num_rows, 3) and metadata.dtype == torch.int32
+        assert metadata.shape == (num_rows, 4) and metadata.dtype == torch.int32
         assert expanded.shape == ((num_rows, num_topk) if do_expand else (0, num_topk))
         assert expert_counts.shape == (2, num_local) and expert_counts.dtype == torch.int32
         statics = (buffer_id, 10, hidden, num_topk, num_ranks * num_local, t_max, alignment, do_expand, 0)
@@ -671,6 +671,7 @@ def test_tensor_handle_round_trips_the_ep_handle():
         "expert_slot_idx",
         "dst_buffer_slot_idx",
         "counts",
+        "recv_src_info",
         "recv_src_metadata",
         "psum_num_recv_tokens_per_scaleup_rank",
         "psum_num_recv_tokens_per_expert",

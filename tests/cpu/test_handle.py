@@ -1,4 +1,6 @@
-"""EPHandle: the stats view and the tensors it keeps alive (no GPU needed)."""
+"""EPHandle: the stats view, DeepEP V2's recv_src_metadata and the tensors it keeps alive (no GPU needed)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ def _handle(do_expand: bool) -> EPHandle:
         psum_num_recv_tokens_per_scaleup_rank=counts[2:4],
         psum_num_recv_tokens_per_expert=counts[16:20],
         num_unaligned_recv_tokens_per_expert=counts[8:12],
-        recv_src_metadata=torch.zeros(5, 3, dtype=torch.int32),
+        recv_src_info=torch.zeros(5, 4, dtype=torch.int32),
         dst_buffer_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
         num_ranks=2,
         num_tokens=3,
@@ -49,6 +51,60 @@ def test_tensors_lists_every_owned_device_tensor_once():
     assert len(plain.tensors()) == 5
     assert len(expanded.tensors()) == 6
     assert any(tensor is expanded.recv_expanded_row_idx for tensor in expanded.tensors())
+
+
+# One destination rank of a hand-worked dispatch: R = 2 ranks, E = 4 experts (rank 1 holds 2 and 3),
+# K = 3, T_max = 4, expert_alignment 4. Rank 1 receives, in (source rank, source token) order:
+#   source 0 token 0, experts [1, 2, 0]: ranks {0, 1}, j = 1, master lane 1 (expert 2)
+#   source 0 token 1, experts [3, -1, 2]: ranks {1}, j = 0, master lane 0 (lane 2 is local too)
+#   source 0 token 2, experts [-1, 0, 3]: ranks {0, 1}, j = 1, master lane 2
+#   source 1 token 0, experts [2, 3, 1]: ranks {0, 1}, j = 1, master lane 0 (lane 1 is local too)
+# Expand rows: expert 2 (local 0) gets rows 0, 1, 2 for received rows 0, 1, 3; expert 3 (local 1)
+# starts at align(3, 4) = 4 with received rows 1, 2, 3.
+HAND_SRC_INFO = [[0, 0, 1, 1], [0, 1, 0, 0], [0, 2, 1, 2], [1, 0, 1, 0]]
+HAND_EXPANDED_ROWS = [[-1, 0, -1], [4, -1, 1], [-1, -1, 5], [2, 6, -1]]
+# Columns: s * T_max + t, s * K + master lane, then the expanded row of each lane (-1 without expand).
+HAND_V2_NON_EXPAND = [[0, 1, -1, -1, -1], [1, 0, -1, -1, -1], [2, 2, -1, -1, -1], [4, 3, -1, -1, -1]]
+HAND_V2_EXPAND = [[0, 1, -1, 0, -1], [1, 0, 4, -1, 1], [2, 2, -1, -1, 5], [4, 3, 2, 6, -1]]
+
+
+def _hand_worked_handle(do_expand: bool) -> EPHandle:
+    return dataclasses.replace(
+        _handle(do_expand),
+        num_experts=4,
+        num_max_tokens_per_rank=4,
+        num_recv_tokens=4,
+        num_topk=3,
+        recv_src_info=torch.tensor(HAND_SRC_INFO, dtype=torch.int32),
+        recv_expanded_row_idx=torch.tensor(HAND_EXPANDED_ROWS, dtype=torch.int32) if do_expand else None,
+    )
+
+
+@pytest.mark.parametrize(("do_expand", "expected"), [(False, HAND_V2_NON_EXPAND), (True, HAND_V2_EXPAND)])
+def test_recv_src_metadata_has_deepep_v2_layout(do_expand, expected):
+    metadata = _hand_worked_handle(do_expand).recv_src_metadata
+    assert metadata.dtype == torch.int32 and metadata.shape == (4, 3 + 2)
+    assert metadata.tolist() == expected
+
+
+def test_recv_src_metadata_is_built_once_and_rebuilt_for_new_source_info():
+    handle = _hand_worked_handle(do_expand=False)
+    first = handle.recv_src_metadata
+    assert handle.recv_src_metadata is first
+    assert all(tensor is not first for tensor in handle.tensors())  # a view for the caller, not kernel input
+    # A copy (as V1's num_worst_tokens handle is) and a replaced recv_src_info get their own.
+    narrowed = dataclasses.replace(handle, recv_src_info=handle.recv_src_info.narrow(0, 0, 2))
+    assert narrowed.recv_src_metadata.tolist() == HAND_V2_NON_EXPAND[:2]
+    handle.recv_src_info = torch.tensor([[1, 3, 0, 2]], dtype=torch.int32)
+    assert handle.recv_src_metadata.tolist() == [[7, 5, -1, -1, -1]]
+
+
+def test_recv_src_metadata_is_read_only():
+    handle = _hand_worked_handle(do_expand=False)
+    with pytest.raises(AttributeError):
+        handle.recv_src_metadata = torch.zeros(4, 5, dtype=torch.int32)
+    with pytest.raises(TypeError):
+        dataclasses.replace(handle, recv_src_metadata=torch.zeros(4, 5, dtype=torch.int32))
 
 
 class _FakeHighThroughputBuffer(HighThroughputMixin):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
+from deep_ep.testing.reference_ht import ht_expanded_row_idx, ht_src_info, v2_recv_src_metadata
 
 NUM_EXPERTS = 4
 HIDDEN = 128
@@ -539,3 +540,81 @@ def test_combine_rejects_num_ranks_per_node_that_is_not_an_int():
     results = hybrid_dispatch()
     with pytest.raises(TypeError, match="num_ranks_per_node must be an int or None, got float"):
         ht_combine(results, HYBRID_YS, HYBRID_TOPK_IDXS, HYBRID_EXPERTS, num_ranks_per_node=2.0)
+
+
+# ------------------------------------------------------------------ source info and DeepEP V2's recv_src_metadata
+
+# R = 2, E = 4 (rank 1 holds experts 2 and 3), K = 3, T_max = 4. Rank 1 receives source 0's tokens
+# 0, 1, 2 and source 1's token 0; source 1's token 1 goes nowhere. Token [3, -1, 2] and token
+# [2, 3, 1] have two experts on rank 1: the master lane is the first of them.
+SRC_TOPK_IDXS = [torch.tensor([[1, 2, 0], [3, -1, 2], [-1, 0, 3]]), torch.tensor([[2, 3, 1], [-1, -1, -1]])]
+SRC_T_MAX = 4
+# Per rank: (source rank, source token, j, master lane). j on rank 1 counts rank 0 where the token
+# also went there.
+SRC_INFO = [
+    [[0, 0, 0, 0], [0, 2, 0, 1], [1, 0, 0, 2]],
+    [[0, 0, 1, 1], [0, 1, 0, 0], [0, 2, 1, 2], [1, 0, 1, 0]],
+]
+# Alignment 4. Rank 0: expert 0 rows 0, 1 (received rows 0, 1), expert 1 from row 4 (received rows
+# 0, 2). Rank 1: expert 2 rows 0, 1, 2 (received rows 0, 1, 3), expert 3 from row 4 (rows 1, 2, 3).
+EXPANDED_ROWS = [
+    [[4, -1, 0], [-1, 1, -1], [-1, -1, 5]],
+    [[-1, 0, -1], [4, -1, 1], [-1, -1, 5], [2, 6, -1]],
+]
+
+
+def test_src_info_holds_source_combine_slot_and_first_local_lane():
+    info = ht_src_info(SRC_TOPK_IDXS, NUM_EXPERTS)
+    assert [rank.tolist() for rank in info] == SRC_INFO
+    assert all(rank.dtype == torch.int32 for rank in info)
+
+
+def test_src_info_rows_are_the_non_expand_dispatch_rows():
+    xs = [rows(1, 2, 3), rows(11, 12)]
+    for rank, (plain, info) in enumerate(
+        zip(ht_dispatch(xs, SRC_TOPK_IDXS, None, NUM_EXPERTS), ht_src_info(SRC_TOPK_IDXS, NUM_EXPERTS), strict=True)
+    ):
+        assert info[:, 0].tolist() == plain["src_rank"].tolist(), rank
+        assert info[:, 1].tolist() == plain["src_token"].tolist(), rank
+
+
+def test_src_info_counts_the_combine_slot_within_the_node_in_hybrid_mode():
+    # R = 4, one expert per rank, a token to ranks 3, 1 and 2; nodes {0, 1} and {2, 3}. The
+    # out-of-range id 9 and the repeat of 3 are -1 after sanitising: never a master lane.
+    topk_idxs = [torch.tensor([[9, 3, 1, 3, 2]])] + [torch.empty(0, 5, dtype=torch.int64)] * 3
+    direct = ht_src_info(topk_idxs, 4)
+    hybrid = ht_src_info(topk_idxs, 4, num_ranks_per_node=2)
+    assert direct[0].shape == (0, 4) and hybrid[0].shape == (0, 4)
+    assert [rank.tolist() for rank in direct[1:]] == [[[0, 0, 0, 2]], [[0, 0, 1, 4]], [[0, 0, 2, 1]]]
+    assert [rank.tolist() for rank in hybrid[1:]] == [[[0, 0, 0, 2]], [[0, 0, 0, 4]], [[0, 0, 1, 1]]]
+
+
+def test_expanded_row_idx_points_at_the_expand_rows_of_each_lane():
+    expanded = ht_expanded_row_idx(SRC_TOPK_IDXS, NUM_EXPERTS, expert_alignment=4)
+    assert [rank.tolist() for rank in expanded] == EXPANDED_ROWS
+    # The same rows as the expand dispatch's: row expanded[i, k] came from received row i's token.
+    xs = [rows(1, 2, 3), rows(11, 12)]
+    results = ht_dispatch(xs, SRC_TOPK_IDXS, None, NUM_EXPERTS, do_expand=True, expert_alignment=4)
+    for result, info, rank_rows in zip(results, ht_src_info(SRC_TOPK_IDXS, NUM_EXPERTS), expanded, strict=True):
+        for i, k in (rank_rows >= 0).nonzero().tolist():
+            row = rank_rows[i, k]
+            assert (result["src_rank"][row], result["src_token"][row]) == (info[i, 0], info[i, 1])
+
+
+def test_v2_recv_src_metadata_has_global_token_master_and_expanded_rows():
+    info = ht_src_info(SRC_TOPK_IDXS, NUM_EXPERTS)[1]
+    plain = v2_recv_src_metadata(info, 3, SRC_T_MAX)
+    expanded = ht_expanded_row_idx(SRC_TOPK_IDXS, NUM_EXPERTS, expert_alignment=4)[1]
+    expand = v2_recv_src_metadata(info, 3, SRC_T_MAX, expanded)
+    # Column 0: s * T_max + t; column 1: s * K + master lane.
+    heads = [[0, 1], [1, 0], [2, 2], [4, 3]]
+    assert plain.dtype == torch.int32 and plain.tolist() == [head + [-1, -1, -1] for head in heads]
+    assert expand.tolist() == [head + lanes for head, lanes in zip(heads, EXPANDED_ROWS[1], strict=True)]
+
+
+def test_v2_recv_src_metadata_rejects_other_shapes():
+    info = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"src_info must be \[N, 4\]"):
+        v2_recv_src_metadata(torch.zeros(2, 3, dtype=torch.int32), 3, 4)
+    with pytest.raises(ValueError, match=r"expanded_row_idx must be \[2, 3\]"):
+        v2_recv_src_metadata(info, 3, 4, torch.zeros(2, 2, dtype=torch.int32))

@@ -19,7 +19,6 @@ from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle
 from deep_ep.testing.reference_layout import dispatch_layout_by_loops
 from deep_ep.v1_buffer import (
-    RANK_MASKING_ISSUE,
     Buffer,
     DispatchHandle,
     LowLatencyDispatchHandle,
@@ -134,7 +133,6 @@ def test_too_small_names_the_bytes_needed():
     [
         ("allow_mnnvl", True, "allow_mnnvl=True"),
         ("use_fabric", True, "use_fabric=True"),
-        ("enable_shrink", True, RANK_MASKING_ISSUE),
         ("comm", object(), "comm=object"),
     ],
 )
@@ -160,14 +158,51 @@ def test_accepted_options_and_bad_sizes():
         Buffer(None, 0, 1 << 30, low_latency_mode=True)
 
 
+def _shrink_buffer(enable_shrink: bool = True) -> Buffer:
+    """A bare Buffer whose LL window is not built yet (masks are kept on the host until it is)."""
+    buffer = _bare_buffer(num_ranks=4)
+    buffer._core._ensure_usable = lambda: None
+    buffer._core._check_fatal_errors = lambda: None
+    buffer.low_latency_mode = True
+    buffer.enable_shrink = enable_shrink
+    return buffer
+
+
 @pytest.mark.parametrize(
-    "name", ["low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"]
+    ("name", "args"),
+    [
+        ("low_latency_update_mask_buffer", (1, True)),
+        ("low_latency_query_mask_buffer", (torch.zeros(4, dtype=torch.int32),)),
+        ("low_latency_clean_mask_buffer", ()),
+    ],
 )
-def test_rank_mask_calls_exist_and_fail_loudly(name):
-    buffer = _bare_buffer()
-    with pytest.raises(NotImplementedError, match=f"Buffer.{name} is not implemented") as info:
-        getattr(buffer, name)(0, True)
-    assert RANK_MASKING_ISSUE in str(info.value)
+def test_rank_mask_calls_need_enable_shrink(name, args):
+    with pytest.raises(RuntimeError, match=f"Buffer.{name} needs rank masking.*enable_shrink=True"):
+        getattr(_shrink_buffer(enable_shrink=False), name)(*args)
+
+
+def test_enable_shrink_needs_low_latency_mode():
+    with pytest.raises(ValueError, match="enable_shrink=True.*needs low_latency_mode=True"):
+        Buffer(None, 0, 1 << 30, enable_shrink=True)
+
+
+def test_masks_set_before_the_low_latency_window_exists_are_kept_until_it_is_built():
+    buffer = _shrink_buffer()
+    status = torch.full((4,), -1, dtype=torch.int32)
+    buffer.low_latency_update_mask_buffer(2, True)
+    buffer.low_latency_update_mask_buffer(3, True)
+    buffer.low_latency_update_mask_buffer(3, False)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0, 1, 0]
+    with pytest.raises(ValueError, match="cannot mask itself"):
+        buffer.low_latency_update_mask_buffer(0, True)
+    with pytest.raises(ValueError, match="rank_to_mask must be a rank in"):
+        buffer.low_latency_update_mask_buffer(4, True)
+    with pytest.raises(ValueError, match="int32 tensor of 4 elements"):
+        buffer.low_latency_query_mask_buffer(torch.zeros(3, dtype=torch.int32))
+    buffer.low_latency_clean_mask_buffer()
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0, 0, 0]
 
 
 def test_previous_event_is_checked_but_needs_no_allocate_on_comm_stream():
@@ -318,9 +353,9 @@ def _core_handle(num_rows: int, num_received: int, *, num_ranks: int = 2, num_no
     psum = counts[0:num_ranks]
     psum.copy_(torch.linspace(num_received // num_ranks, num_received, num_ranks).round().int())
     psum[-1] = num_received
-    metadata = torch.zeros(num_rows, 3, dtype=torch.int32)
-    metadata[:, 0] = torch.arange(num_rows) % num_ranks
-    metadata[:, 1] = torch.arange(num_rows) + 100
+    src_info = torch.zeros(num_rows, 4, dtype=torch.int32)
+    src_info[:, 0] = torch.arange(num_rows) % num_ranks
+    src_info[:, 1] = torch.arange(num_rows) + 100
     topk_idx = torch.tensor([[0, 3], [1, -1], [-1, -1]])
     return EPHandle(
         do_expand=False,
@@ -335,7 +370,7 @@ def _core_handle(num_rows: int, num_received: int, *, num_ranks: int = 2, num_no
         psum_num_recv_tokens_per_scaleup_rank=psum,
         psum_num_recv_tokens_per_expert=counts[8:10],
         num_unaligned_recv_tokens_per_expert=counts[10:12],
-        recv_src_metadata=metadata,
+        recv_src_info=src_info,
         dst_buffer_slot_idx=torch.zeros(3, 2, dtype=torch.int32),
         num_ranks=num_ranks,
         num_tokens=3,
@@ -390,7 +425,7 @@ def test_worst_token_outputs_have_exactly_num_worst_rows(num_worst):
     # The handle now describes num_worst rows (combine's x, cached dispatch); the core's is untouched.
     assert out_handle is not handle and handle.num_recv_tokens == 6
     assert out_handle.num_recv_tokens == num_worst
-    assert out_handle.recv_src_metadata.shape == (min(num_worst, 6), 3)
+    assert out_handle.recv_src_info.shape == (min(num_worst, 6), 4)
     assert out_handle.counts is handle.counts and out_handle.topk_idx is handle.topk_idx
 
 
@@ -809,6 +844,7 @@ def test_first_low_latency_dispatch_builds_the_ll_core_from_its_sizes(fake_cores
         "hidden": LL_H,
         "num_experts": LL_E,
         "explicitly_destroy": True,
+        "enable_rank_masking": False,
     }
     (call,) = ll_core.calls
     assert call[:3] == ("low_latency_dispatch", LL_T, LL_E)

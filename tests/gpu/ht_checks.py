@@ -11,6 +11,7 @@ import deep_ep
 from deep_ep.fp8 import per_token_cast_back
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
+from deep_ep.testing.reference_ht import ht_expanded_row_idx, ht_src_info, v2_recv_src_metadata
 
 # One buffer serves every case of a launch: sized for the largest (bf16 is the larger payload).
 MAX_TOKENS = 4096
@@ -133,7 +134,39 @@ def group_biases(case: Case, num_tokens: list[int]) -> list | None:
     return biases
 
 
-def check_dispatch(case: Case, rank: int, expected: dict, outputs: tuple) -> None:
+def check_src_metadata(
+    case: Case, rank: int, inputs: GroupOnDevice, handle, num_ranks_per_node: int | None = None
+) -> None:
+    """The handle's per-row source arrays bitwise against the reference: ``recv_src_info`` (what
+    combine reads; ``j`` counted within the node in hybrid mode, ``num_ranks_per_node``), the
+    expand row map, and DeepEP V2's ``recv_src_metadata`` built from them. A handle without CPU
+    sync is compared on its received rows only (the rest of its worst-case rows is undefined)."""
+    num_experts = case.experts(len(inputs.topk_idxs))
+    num_topk = inputs.topk_idxs[rank].shape[1]
+    info = ht_src_info(inputs.topk_idxs, num_experts, num_ranks_per_node=num_ranks_per_node)[rank]
+    expanded = None
+    if case.do_expand:
+        expanded = ht_expanded_row_idx(inputs.topk_idxs, num_experts, expert_alignment=case.expert_alignment)[rank]
+    metadata = v2_recv_src_metadata(info, num_topk, case.num_max_tokens, expanded)
+    rows = slice(None) if handle.is_exact else slice(0, info.shape[0])
+    assert_bitwise_equal("recv_src_info", handle.recv_src_info[rows], info)
+    if case.do_expand:
+        assert_bitwise_equal("recv_expanded_row_idx", handle.recv_expanded_row_idx[rows], expanded)
+    else:
+        assert handle.recv_expanded_row_idx is None, "recv_expanded_row_idx without expand"
+    assert_bitwise_equal("recv_src_metadata (DeepEP V2 layout)", handle.recv_src_metadata[rows], metadata)
+
+
+def check_dispatch(
+    case: Case,
+    rank: int,
+    expected: dict,
+    outputs: tuple,
+    inputs: GroupOnDevice,
+    num_ranks_per_node: int | None = None,
+) -> None:
+    """One rank's dispatch outputs and handle against the reference (``expected``: its
+    ``ht_dispatch`` result; ``inputs``: the group's, for the handle's source arrays)."""
     recv_x, recv_topk_idx, recv_topk_weights, handle, _ = outputs
     data, scales = split(recv_x)
     assert_bitwise_equal("recv_x", data, expected["x"])
@@ -151,9 +184,10 @@ def check_dispatch(case: Case, rank: int, expected: dict, outputs: tuple) -> Non
         assert handle.num_expanded_tokens == expected["x"].shape[0], "num_expanded_tokens"
     else:
         assert_bitwise_equal("recv_topk_idx", recv_topk_idx, expected["topk_idx"])
-        metadata = handle.recv_src_metadata
-        assert_bitwise_equal("recv_src_metadata source rank", metadata[:, 0].long(), expected["src_rank"])
-        assert_bitwise_equal("recv_src_metadata source token", metadata[:, 1].long(), expected["src_token"])
+        info = handle.recv_src_info
+        assert_bitwise_equal("recv_src_info source rank", info[:, 0].long(), expected["src_rank"])
+        assert_bitwise_equal("recv_src_info source token", info[:, 1].long(), expected["src_token"])
+    check_src_metadata(case, rank, inputs, handle, num_ranks_per_node)
 
 
 def run_case(
@@ -191,7 +225,7 @@ def run_case(
             expert_alignment=case.expert_alignment,
             do_expand=case.do_expand,
         )
-        check_dispatch(case, rank, reference[rank], outputs)
+        check_dispatch(case, rank, reference[rank], outputs, group, num_ranks_per_node)
         if check_handle is not None:
             check_handle(group, outputs[3])
 

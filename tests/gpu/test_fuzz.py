@@ -398,9 +398,9 @@ def check_ht_dispatch(mode: HtMode, expected: dict, outputs: tuple, num_ranks: i
         assert recv_topk_idx is None, "expand mode returns no recv_topk_idx"
         return
     assert_bitwise_equal("recv_topk_idx", recv_topk_idx[:rows], expected["topk_idx"])
-    metadata = handle.recv_src_metadata
-    assert_bitwise_equal("recv_src_metadata source rank", metadata[:rows, 0].long(), expected["src_rank"])
-    assert_bitwise_equal("recv_src_metadata source token", metadata[:rows, 1].long(), expected["src_token"])
+    info = handle.recv_src_info
+    assert_bitwise_equal("recv_src_info source rank", info[:rows, 0].long(), expected["src_rank"])
+    assert_bitwise_equal("recv_src_info source token", info[:rows, 1].long(), expected["src_token"])
 
 
 def check_ht_combine(expected: dict, combined: torch.Tensor, combined_weights: torch.Tensor | None) -> None:

@@ -1,4 +1,5 @@
-"""HT dispatch and combine against the reference model, bitwise, on random cases.
+"""HT dispatch and combine against the reference model, bitwise, on random cases (outputs, the
+handle's source arrays and DeepEP V2's recv_src_metadata built from them).
 
 Inputs are uneven per rank with one rank at T = 0, one all -1 token per rank, about 10 % random -1
 entries and (some cases) one hot expert taking half the traffic. All cases of a rank count run in
@@ -8,7 +9,7 @@ one launch on one buffer sized for the largest.
 from __future__ import annotations
 
 import torch
-from ht_checks import Case, device, make_buffer, run_case
+from ht_checks import Case, check_src_metadata, device, dispatch_case, group_inputs, make_buffer, run_case
 
 from deep_ep import per_token_cast_to_fp8
 from deep_ep.testing import launch
@@ -79,9 +80,24 @@ def _nothing_received(buffer, num_ranks):
             rows = recv_x[0] if use_fp8 else recv_x
             assert handle.num_recv_tokens == 0 and rows.shape == (0, hidden), (do_expand, use_fp8, rows.shape)
             assert handle.num_recv_tokens_per_expert_list == [0] * (num_experts // num_ranks)
+            assert handle.recv_src_info.shape == (0, 4) and handle.recv_src_metadata.shape == (0, 4 + 2)
             y = torch.empty(rows.shape, dtype=torch.bfloat16, device=device())
             combined, combined_weights, _ = buffer.combine(y, handle, topk_weights=recv_weights)
             assert combined.shape == (0, hidden) and combined_weights.shape == (0, 4)
+
+
+def _src_metadata_without_cpu_sync_then_cached(buffer, rank, num_ranks):
+    """DeepEP V2's handle.recv_src_metadata (and recv_src_info) of a dispatch without CPU sync: worst-
+    case rows, the received ones bitwise equal to the reference; a cached dispatch through that
+    handle leaves them so (it does not rewrite them). Non-expand and expand."""
+    for case in CASES[:2]:
+        inputs = group_inputs(case, num_ranks)
+        handle = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)[3]
+        num_topk = inputs.topk_idxs[rank].shape[1]
+        assert handle.recv_src_metadata.shape == (num_ranks * case.num_max_tokens, num_topk + 2), case.name
+        check_src_metadata(case, rank, inputs, handle)
+        dispatch_case(buffer, rank, case, inputs, handle=handle)
+        check_src_metadata(case, rank, inputs, handle)
 
 
 def _run_cases(rank, num_ranks, group):
@@ -90,6 +106,7 @@ def _run_cases(rank, num_ranks, group):
         _nothing_received(buffer, num_ranks)
         for case in CASES:
             run_case(buffer, rank, num_ranks, case)
+        _src_metadata_without_cpu_sync_then_cached(buffer, rank, num_ranks)
         buffer._check_device_errors()
         assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
     finally:

@@ -37,6 +37,7 @@ from ht_checks import (
     assert_bitwise_equal,
     assert_outputs_equal,
     check_dispatch,
+    check_src_metadata,
     device,
     dispatch_case,
     expert_output,
@@ -429,7 +430,7 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
         inputs = group_inputs(case, num_ranks)
         reference, expected = _reference_combine(case, rank, num_ranks, ranks_per_node, inputs, True)
         synced = dispatch_case(buffer, rank, case, inputs)
-        check_dispatch(case, rank, reference[rank], synced)
+        check_dispatch(case, rank, reference[rank], synced, inputs, ranks_per_node)
         handle = synced[3]
         rows = handle.num_expanded_tokens if case.do_expand else handle.num_recv_tokens
         y = expert_output(synced[0], rank, True)
@@ -440,6 +441,7 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
         cached = dispatch_case(buffer, rank, case, inputs, handle=handle)
         assert_outputs_equal(f"{case.name} cached", cached, synced)
         assert cached[3] is handle, f"{case.name}: a cached dispatch returns the handle it was given"
+        check_src_metadata(case, rank, inputs, handle, ranks_per_node)  # cached dispatch leaves it right
 
         unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
         loose = unsynced[3]
@@ -459,6 +461,7 @@ def _cached_no_sync_and_events(buffer, rank, num_ranks, ranks_per_node):
         ):
             assert_bitwise_equal(f"{case.name} no-sync {field}", getattr(loose, field), getattr(handle, field))
         assert_outputs_equal(f"{case.name} no cpu sync", unsynced, synced, rows)
+        check_src_metadata(case, rank, inputs, loose, ranks_per_node)
         cached_loose = dispatch_case(buffer, rank, case, inputs, handle=loose)
         assert_outputs_equal(f"{case.name} cached from no-sync handle", cached_loose, synced, rows)
 

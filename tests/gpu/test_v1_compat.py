@@ -257,7 +257,7 @@ def _check_case(buffer: Buffer, rank: int, num_ranks: int, case: V1Case, per_nod
     assert matrix.tolist() == sent.cumsum(0).tolist(), "rank_prefix_matrix"
     assert matrix[:, rank].tolist() == prefix
     # DeepEP's own check: the rows of source i are the block [matrix[i - 1][rank], matrix[i][rank]).
-    source_rank = handle.core.recv_src_metadata[:num_received, 0].cpu()
+    source_rank = handle.core.recv_src_info[:num_received, 0].cpu()
     start = 0
     for source in range(num_ranks):
         end = int(matrix[source, rank])
