@@ -109,6 +109,10 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
     ``deterministic=False`` changes nothing.
     """
 
+    # Ranks another buffer of this rank (the V1 Buffer's LL window) has masked: destroy() skips its
+    # closing barrier for them too.
+    _ranks_masked_elsewhere: tuple[int, ...] = ()
+
     def __init__(
         self,
         group: dist.ProcessGroup,
@@ -623,7 +627,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                     stacklevel=2,
                 )
                 return
-            masked = self._ll_masked_ranks()
+            masked = sorted(set(self._ll_masked_ranks()) | set(self._ranks_masked_elsewhere))
             if masked:
                 warnings.warn(
                     f"destroy(): skipped the closing barrier: this rank has masked rank(s) {masked} (they may be "

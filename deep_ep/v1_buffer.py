@@ -1184,11 +1184,15 @@ class Buffer:
             )
         core, self._core = self._core, None
         ll_core, self._ll_core = self._ll_core, None
+        masked: list[int] = []
         try:
             if ll_core is not None:
+                masked = ll_core._ll_masked_ranks()
                 ll_core.destroy()
         finally:
             if core is not None:
+                # Ranks the LL window masked may be gone: the HT window's closing barrier skips them too.
+                core._ranks_masked_elsewhere = tuple(masked)
                 core.destroy()
 
     # ------------------------------------------------------------------ low latency

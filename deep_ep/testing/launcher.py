@@ -45,9 +45,11 @@ class _DeviceNotReady(Exception):
     """A rank could not initialise CUDA for a transient reason (DEVICE_NOT_READY_MARKERS)."""
 
 
-def _drain_failures(results: Any, max_reports: int, seconds: float) -> list[tuple[int, str]]:
-    """(rank, traceback) of the failures reported within ``seconds`` (at most ``max_reports`` reports)."""
+def _drain_failures(results: Any, max_reports: int, seconds: float) -> tuple[list[tuple[int, str]], set[int]]:
+    """(rank, traceback) of the failures reported within ``seconds`` (at most ``max_reports``
+    reports), and the ranks that reported success meanwhile."""
     failures: list[tuple[int, str]] = []
+    finished: set[int] = set()
     deadline = time.monotonic() + seconds
     for _ in range(max(0, max_reports)):
         remaining = deadline - time.monotonic()
@@ -59,7 +61,9 @@ def _drain_failures(results: Any, max_reports: int, seconds: float) -> list[tupl
             break
         if status != "ok":
             failures.append((rank, payload[0]))
-    return failures
+        else:
+            finished.add(rank)
+    return failures, finished
 
 
 class RankError(RuntimeError):
@@ -214,11 +218,14 @@ def _launch_once(
         if failure is not None:
             # The first failure is often a consequence of another rank's: give the others a few
             # seconds to report theirs, and show them too.
-            others = _drain_failures(results, num_ranks - len(collected) - 1, OTHER_FAILURES_GRACE_SECS)
-            if others:
-                rank, remote_traceback, pickled = failure
-                listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
-                failure = (rank, remote_traceback + listing, pickled)
+            others, finished = _drain_failures(results, num_ranks - len(collected) - 1, OTHER_FAILURES_GRACE_SECS)
+            rank, remote_traceback, pickled = failure
+            listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
+            # Ranks that neither failed nor finished are stuck (often what the failure waited for).
+            silent = [r for r in range(num_ranks) if r not in collected and r not in finished and r != rank]
+            silent = [r for r in silent if r not in {other for other, _ in others}]
+            listing += _dump_stacks(processes, silent, store_dir)
+            failure = (rank, remote_traceback + listing, pickled)
     finally:
         if failure is not None or len(collected) < num_ranks:
             for process in processes:

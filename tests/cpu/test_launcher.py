@@ -95,3 +95,23 @@ def test_launch_timeout_reports_the_stuck_ranks_python_stack():
     assert "ranks [1] did not finish" in message
     assert "--- rank 1 stacks ---" in message
     assert "_rank_one_sleeps_in_a_named_function" in message
+
+
+def _rank_zero_fails_while_rank_one_hangs(rank, num_ranks, group):
+    import time
+
+    if rank == 0:
+        raise RuntimeError("rank 0 planted failure")
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_failure_reports_the_stacks_of_ranks_that_neither_failed_nor_finished(monkeypatch):
+    from deep_ep.testing import launcher
+
+    monkeypatch.setattr(launcher, "OTHER_FAILURES_GRACE_SECS", 2.0)
+    with pytest.raises(RankError) as info:
+        launch(_rank_zero_fails_while_rank_one_hangs, 2, timeout_secs=60)
+    assert info.value.rank == 0
+    assert "--- rank 1 stacks ---" in info.value.remote_traceback
+    assert "_rank_zero_fails_while_rank_one_hangs" in info.value.remote_traceback.split("--- rank 1 stacks ---")[1]

@@ -726,6 +726,9 @@ class _RecordingLowLatencyCore(SimpleNamespace):
         )
         _RecordingLowLatencyCore.built.append(self)
 
+    def _ll_masked_ranks(self) -> list[int]:
+        return []
+
     def _ensure_usable(self) -> None:
         pass
 
