@@ -20,6 +20,7 @@
 #include "kernels/ht_common.cuh"
 #include "kernels/scaleout.cuh"
 #include "kernels/topology_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -318,6 +319,10 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
              "combine needs x (only a failed input sends zero rows)");
   combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine_kernel");
+}
+
+void preload_ht_combine_kernels() {
+  preload_kernel(combine_kernel, "ht combine");
 }
 
 }  // namespace deep_ep::ht

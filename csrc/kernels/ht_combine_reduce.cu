@@ -13,6 +13,7 @@
 #include "common/require.hpp"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -94,6 +95,10 @@ void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   check_combine_shape(args.call.num_topk, args.call.hidden);
   reduce_kernel<<<args.num_ctas, kReduceThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht combine reduce_kernel");
+}
+
+void preload_ht_combine_reduce_kernels() {
+  preload_kernel(reduce_kernel, "ht combine reduce");
 }
 
 }  // namespace deep_ep::ht

@@ -14,6 +14,7 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -80,6 +81,10 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   }
   dispatch_kernel<<<args.num_sms, kDispatchThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch_kernel");
+}
+
+void preload_ht_dispatch_kernels() {
+  preload_kernel(dispatch_kernel, "ht dispatch");
 }
 
 }  // namespace deep_ep::ht

@@ -13,6 +13,7 @@
 #include "common/require.hpp"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -156,6 +157,10 @@ void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
+}
+
+void preload_ht_dispatch_epilogue_kernels() {
+  preload_kernel(epilogue_kernel, "ht dispatch epilogue");
 }
 
 }  // namespace deep_ep::ht

@@ -25,6 +25,7 @@
 #include "kernels/ht_common.cuh"
 #include "kernels/scaleout.cuh"
 #include "kernels/topology_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -208,6 +209,10 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const Disp
 void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   hybrid_dispatch_kernel<<<args.num_sms, kThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht hybrid_dispatch_kernel");
+}
+
+void preload_ht_dispatch_hybrid_kernels() {
+  preload_kernel(hybrid_dispatch_kernel, "ht hybrid dispatch");
 }
 
 }  // namespace deep_ep::ht

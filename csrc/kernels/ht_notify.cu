@@ -27,6 +27,7 @@
 #include "kernels/ht_common.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/topology_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -405,6 +406,10 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   }
   notify_kernel<<<args.num_sms, kNotifyThreads, smem, stream>>>(args);
   EP_CHECK_LAUNCH("ht notify_kernel");
+}
+
+void preload_ht_notify_kernels() {
+  preload_kernel(notify_kernel, "ht notify");
 }
 
 }  // namespace deep_ep::ht

@@ -21,6 +21,7 @@
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
@@ -266,6 +267,11 @@ void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStre
   const int grid = std::clamp(args.num_sms, 1, busy_blocks);
   combine_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("low_latency_combine_recv");
+}
+
+void preload_low_latency_combine_kernels() {
+  preload_kernel(combine_send_kernel, "ll combine send");
+  preload_kernel(combine_recv_kernel, "ll combine receive");
 }
 
 }  // namespace deep_ep

@@ -22,6 +22,7 @@
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
@@ -407,6 +408,12 @@ void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaSt
   const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
   dispatch_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("low_latency_dispatch_recv");
+}
+
+void preload_low_latency_dispatch_kernels() {
+  preload_kernel(dispatch_send_kernel<true>, "ll dispatch send (fp8)");
+  preload_kernel(dispatch_send_kernel<false>, "ll dispatch send (bf16)");
+  preload_kernel(dispatch_recv_kernel, "ll dispatch receive");
 }
 
 }  // namespace deep_ep

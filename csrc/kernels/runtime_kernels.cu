@@ -1,6 +1,7 @@
 #include "common/cuda_check.hpp"
 #include "kernels/runtime_kernels.hpp"
 #include "kernels/topology_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
@@ -29,6 +30,23 @@ void launch_rank_barrier(const DeviceView& view, cudaStream_t stream) {
 void launch_query_lsa_pointers(ncclWindow_t window, int lsa_size, uint8_t** out_device, cudaStream_t stream) {
   query_lsa_pointers_kernel<<<1, 128, 0, stream>>>(window, lsa_size, out_device);
   EP_CHECK_LAUNCH("query_lsa_pointers_kernel");
+}
+
+void preload_runtime_kernels() {
+  preload_kernel(rank_barrier_kernel, "rank barrier");
+  preload_kernel(query_lsa_pointers_kernel, "lsa pointer query");
+}
+
+void preload_kernels() {
+  ht::preload_ht_notify_kernels();
+  ht::preload_ht_dispatch_kernels();
+  ht::preload_ht_dispatch_hybrid_kernels();
+  ht::preload_ht_dispatch_epilogue_kernels();
+  ht::preload_ht_combine_kernels();
+  ht::preload_ht_combine_reduce_kernels();
+  preload_low_latency_dispatch_kernels();
+  preload_low_latency_combine_kernels();
+  preload_runtime_kernels();
 }
 
 }  // namespace deep_ep

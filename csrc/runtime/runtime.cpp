@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/cuda_check.hpp"
+#include "kernels/preload.hpp"
 #include "kernels/runtime_kernels.hpp"
 
 namespace deep_ep {
@@ -38,6 +39,8 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   if (config.scaleout == ScaleoutKind::kGin && config.backend != BackendKind::kNccl) {
     throw std::invalid_argument("the 'gin' scale-out transport needs backend 'nccl' (GIN works on an NCCL window)");
   }
+  // Before any rank can launch a kernel that waits for its peers (kernels/preload.hpp says why).
+  preload_kernels();
   if (config.num_scaleup_ranks < 1 || config.num_ranks % config.num_scaleup_ranks != 0) {
     throw std::invalid_argument("num_scaleup_ranks must divide num_ranks " + std::to_string(config.num_ranks) +
                                 ", got " + std::to_string(config.num_scaleup_ranks));

@@ -7,6 +7,7 @@ exchange handles), otherwise `nccl`. NVLink multicast stays off in every rank.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -17,7 +18,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -152,6 +153,39 @@ def launch(
     raise AssertionError("unreachable")
 
 
+# Ranks that share a GPU run under MPS in one CUDA context. With lazy kernel loading (CUDA's
+# default) a rank's first launch of any kernel (torch's included) may wait for that context to
+# synchronise, i.e. for a peer's kernel that spins until this rank's kernel runs: a deadlock until
+# the peer's wait deadline. The library loads its own kernels at buffer construction; the launcher
+# makes such ranks load every module eagerly, unless CUDA_MODULE_LOADING is set already.
+MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
+
+
+def _module_loading_for(num_ranks: int) -> dict[str, str]:
+    """The environment the rank processes need on top of this one's."""
+    if MODULE_LOADING_ENV in os.environ:
+        return {}
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {MODULE_LOADING_ENV: "EAGER"} if 0 < num_gpus < num_ranks else {}
+
+
+@contextlib.contextmanager
+def _child_environment(overrides: dict[str, str]) -> Iterator[None]:
+    """``overrides`` in os.environ while the rank processes start (spawned children copy it)."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _dump_stacks(processes: list[Any], ranks: list[int], store_dir: str) -> str:
     """The Python stacks of the live ``ranks`` (each rank's dump, cut to its last characters)."""
     alive = [rank for rank in ranks if processes[rank].is_alive() and processes[rank].pid is not None]
@@ -187,8 +221,9 @@ def _launch_once(
         context.Process(target=_worker, args=(rank, num_ranks, init_method, fn, args, results), daemon=True)
         for rank in range(num_ranks)
     ]
-    for process in processes:
-        process.start()
+    with _child_environment(_module_loading_for(num_ranks)):
+        for process in processes:
+            process.start()
     collected: dict[int, Any] = {}
     failure: tuple[int, str, bytes | None] | None = None
     deadline = time.monotonic() + timeout_secs

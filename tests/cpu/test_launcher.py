@@ -115,3 +115,27 @@ def test_a_failure_reports_the_stacks_of_ranks_that_neither_failed_nor_finished(
     assert info.value.rank == 0
     assert "--- rank 1 stacks ---" in info.value.remote_traceback
     assert "_rank_zero_fails_while_rank_one_hangs" in info.value.remote_traceback.split("--- rank 1 stacks ---")[1]
+
+
+def _module_loading(rank, num_ranks, group):
+    import os
+
+    return os.environ.get("CUDA_MODULE_LOADING")
+
+
+def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkeypatch):
+    from deep_ep.testing import launcher
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "EAGER"}
+    assert launcher._module_loading_for(1) == {}
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    assert launcher._module_loading_for(2) == {}
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
+    with launcher._child_environment({"CUDA_MODULE_LOADING": "EAGER"}):
+        import os
+
+        assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    assert "CUDA_MODULE_LOADING" not in __import__("os").environ
