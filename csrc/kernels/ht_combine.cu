@@ -18,9 +18,9 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 #include "kernels/scaleout.cuh"
 #include "kernels/topology_barrier.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -321,8 +321,6 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht combine_kernel");
 }
 
-void preload_ht_combine_kernels() {
-  preload_kernel(combine_kernel, "ht combine");
-}
+void preload_ht_combine_kernels() { preload_kernel(combine_kernel, "ht combine"); }
 
 }  // namespace deep_ep::ht

@@ -97,8 +97,6 @@ void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht combine reduce_kernel");
 }
 
-void preload_ht_combine_reduce_kernels() {
-  preload_kernel(reduce_kernel, "ht combine reduce");
-}
+void preload_ht_combine_reduce_kernels() { preload_kernel(reduce_kernel, "ht combine reduce"); }
 
 }  // namespace deep_ep::ht

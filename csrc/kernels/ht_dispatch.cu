@@ -83,8 +83,6 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht dispatch_kernel");
 }
 
-void preload_ht_dispatch_kernels() {
-  preload_kernel(dispatch_kernel, "ht dispatch");
-}
+void preload_ht_dispatch_kernels() { preload_kernel(dispatch_kernel, "ht dispatch"); }
 
 }  // namespace deep_ep::ht

@@ -159,8 +159,6 @@ void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
 }
 
-void preload_ht_dispatch_epilogue_kernels() {
-  preload_kernel(epilogue_kernel, "ht dispatch epilogue");
-}
+void preload_ht_dispatch_epilogue_kernels() { preload_kernel(epilogue_kernel, "ht dispatch epilogue"); }
 
 }  // namespace deep_ep::ht

@@ -23,9 +23,9 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 #include "kernels/scaleout.cuh"
 #include "kernels/topology_barrier.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -211,8 +211,6 @@ void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht hybrid_dispatch_kernel");
 }
 
-void preload_ht_dispatch_hybrid_kernels() {
-  preload_kernel(hybrid_dispatch_kernel, "ht hybrid dispatch");
-}
+void preload_ht_dispatch_hybrid_kernels() { preload_kernel(hybrid_dispatch_kernel, "ht hybrid dispatch"); }
 
 }  // namespace deep_ep::ht

@@ -25,9 +25,9 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
 #include "kernels/routing.cuh"
 #include "kernels/topology_barrier.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
 namespace {
@@ -408,8 +408,6 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   EP_CHECK_LAUNCH("ht notify_kernel");
 }
 
-void preload_ht_notify_kernels() {
-  preload_kernel(notify_kernel, "ht notify");
-}
+void preload_ht_notify_kernels() { preload_kernel(notify_kernel, "ht notify"); }
 
 }  // namespace deep_ep::ht

@@ -18,10 +18,10 @@
 #include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
+#include "kernels/preload.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
         if (unit < num_units && args.layout_range != nullptr) {
           const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
-          const int64_t begin = std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+          const int64_t begin =
+              std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
           first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
         }
         unit_first_x_row[threadIdx.x] = first_x_row;

@@ -19,10 +19,10 @@
 #include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
+#include "kernels/preload.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
 #include "kernels/timeout.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
@@ -136,8 +136,8 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
       const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
       // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
-      const int first_i = peer_masked(args.rank_mask, dest) ? count
-                                                            : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
+      const int first_i =
+          peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
       for (int i = first_i; i < count; i += kSendWarps) {
         const int32_t entry = lists[j * num_tokens + i];
         const int token = entry >> kSlotBits;
@@ -337,13 +337,13 @@ void check_args(const LowLatencyDispatchArgs& args) {
              "area must be in [0, " + std::to_string(kLowLatencyAreas) + "), got " + std::to_string(args.area));
   EP_REQUIRE(args.hidden > 0 && args.hidden % kFp8GroupSize == 0,
              "hidden must be a positive multiple of 128, got " + std::to_string(args.hidden));
-  const bool ue8m0 = args.scales_format == LowLatencyScales::kUe8m0RowMajor ||
-                     args.scales_format == LowLatencyScales::kUe8m0ColMajor;
+  const bool ue8m0 =
+      args.scales_format == LowLatencyScales::kUe8m0RowMajor || args.scales_format == LowLatencyScales::kUe8m0ColMajor;
   if (args.recv_x != nullptr && args.use_fp8 && ue8m0) {
     EP_REQUIRE(args.round_scale, "UE8M0 scales need round_scale (power-of-two scales)");
-    EP_REQUIRE(args.hidden % (4 * kFp8GroupSize) == 0,
-               "UE8M0 scales pack 4 groups per int32: hidden must be a multiple of 512, got " +
-                   std::to_string(args.hidden));
+    EP_REQUIRE(
+        args.hidden % (4 * kFp8GroupSize) == 0,
+        "UE8M0 scales pack 4 groups per int32: hidden must be a multiple of 512, got " + std::to_string(args.hidden));
   }
   EP_REQUIRE(args.recv_x == nullptr || !args.use_fp8 || args.recv_scales != nullptr,
              "an fp8 dispatch with compact rows needs recv_scales");

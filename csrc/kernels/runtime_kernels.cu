@@ -1,7 +1,7 @@
 #include "common/cuda_check.hpp"
+#include "kernels/preload.hpp"
 #include "kernels/runtime_kernels.hpp"
 #include "kernels/topology_barrier.cuh"
-#include "kernels/preload.hpp"
 
 namespace deep_ep {
 namespace {
