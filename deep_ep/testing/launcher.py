@@ -154,17 +154,21 @@ def launch(
 
 
 # Ranks that share a GPU run under MPS in one CUDA context. With lazy kernel loading (CUDA's
-# default) a rank's first launch of any kernel (torch's included) may wait for that context to
-# synchronise, i.e. for a peer's kernel that spins until this rank's kernel runs: a deadlock until
-# the peer's wait deadline. The library loads its own kernels at buffer construction; the launcher
-# makes such ranks load every module eagerly, unless CUDA_MODULE_LOADING is set already.
+# default, and what `import torch` sets when the variable is unset) a rank's first launch of any
+# kernel (torch's included) may wait for that context to synchronise, i.e. for a peer's kernel that
+# spins until this rank's kernel runs: a deadlock until the peer's wait deadline (measured: the
+# example MoE layer's backward at 4 ranks on one H200). The library loads its own kernels at buffer
+# construction; the launcher makes such ranks load every module eagerly. EP_LAUNCH_MODULE_LOADING
+# (EAGER or LAZY) overrides the choice.
 MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
+MODULE_LOADING_OVERRIDE_ENV = "EP_LAUNCH_MODULE_LOADING"
 
 
 def _module_loading_for(num_ranks: int) -> dict[str, str]:
     """The environment the rank processes need on top of this one's."""
-    if MODULE_LOADING_ENV in os.environ:
-        return {}
+    override = os.environ.get(MODULE_LOADING_OVERRIDE_ENV)
+    if override:
+        return {MODULE_LOADING_ENV: override}
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -126,13 +126,14 @@ def _module_loading(rank, num_ranks, group):
 def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkeypatch):
     from deep_ep.testing import launcher
 
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.delenv("EP_LAUNCH_MODULE_LOADING", raising=False)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # what `import torch` sets when it is unset
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "EAGER"}
     assert launcher._module_loading_for(1) == {}
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
-    assert launcher._module_loading_for(2) == {}
+    monkeypatch.setenv("EP_LAUNCH_MODULE_LOADING", "LAZY")
+    assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "LAZY"}
     monkeypatch.delenv("CUDA_MODULE_LOADING")
     with launcher._child_environment({"CUDA_MODULE_LOADING": "EAGER"}):
         import os
