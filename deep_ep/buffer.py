@@ -39,6 +39,7 @@ __all__ = ["ElasticBuffer", "EPHandle"]
 
 _comm_streams: dict[int, torch.cuda.Stream] = {}
 _warned_no_mps = False
+_warned_lazy_loading = False
 # Handles record the serial of the buffer that made them (ids of dead objects are reused; serials are not).
 _buffer_serials = itertools.count(1)
 
@@ -247,6 +248,18 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                     f"{topology.ranks_per_gpu} ranks share GPU {self.device} but NVIDIA MPS does not seem to run: "
                     "their kernels will time-slice and every cross-rank wait will cost milliseconds "
                     "(start it with scripts/mps.sh start)",
+                    stacklevel=2,
+                )
+            global _warned_lazy_loading
+            if os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER" and not _warned_lazy_loading:
+                _warned_lazy_loading = True
+                warnings.warn(
+                    f"{topology.ranks_per_gpu} ranks share GPU {self.device} with lazy CUDA module loading "
+                    f"(CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', 'unset')}): under MPS a rank's "
+                    "first launch of a kernel (torch's too) can wait for a peer kernel that spins until this rank "
+                    "arrives, until the wait deadline. deep_ep loads its own kernels here; set "
+                    "CUDA_MODULE_LOADING=EAGER in the ranks' environment before CUDA starts (deep_ep.testing.launch "
+                    "does) to load the rest up front",
                     stacklevel=2,
                 )
 

@@ -39,7 +39,15 @@ tensor holding ``1/448`` (so the constant is rounded to fp32 before the multiply
 
 import torch
 
-__all__ = ["FP8_GROUP_SIZE", "FP8_MAX", "per_token_cast_to_fp8", "per_token_cast_back", "pack_ue8m0"]
+__all__ = [
+    "FP8_GROUP_SIZE",
+    "FP8_MAX",
+    "per_token_cast_to_fp8",
+    "per_token_cast_back",
+    "pack_ue8m0",
+    "pack_ue8m0_unchecked",
+    "unpack_ue8m0",
+]
 
 FP8_GROUP_SIZE = 128
 FP8_MAX = 448.0
@@ -130,9 +138,24 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
             f"scales must be positive normal powers of two (2**e, -126 <= e <= 127) to pack as UE8M0, "
             f"got {scales[index].item()!r} at index {list(index)}"
         )
+    return pack_ue8m0_unchecked(scales)
+
+
+def pack_ue8m0_unchecked(scales: torch.Tensor) -> torch.Tensor:
+    """``pack_ue8m0`` without the checks (no host synchronisation): the exponent byte of every
+    fp32 scale ``[..., G]``, whatever its mantissa, packed four per int32 word."""
+    num_groups = scales.shape[-1]
+    exponent_bytes = (scales.contiguous().view(torch.int32) >> _FP32_MANTISSA_BITS) & 0xFF
     grouped = exponent_bytes.to(torch.int64).reshape(*scales.shape[:-1], num_groups // _UE8M0_PER_WORD, 4)
     shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=scales.device)
     words = (grouped << shifts).sum(dim=-1)
     # Bytes >= 0x80 in the top position set the int32 sign bit: wrap explicitly, not through a cast.
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)
     return words.to(torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., G/4]`` of packed UE8M0 exponent bytes -> fp32 ``[..., G]`` powers of two (the
+    inverse of ``pack_ue8m0``; a zero byte gives 0.0)."""
+    exponents = packed.contiguous().view(torch.uint8).to(torch.int32)
+    return (exponents << _FP32_MANTISSA_BITS).view(torch.float32)

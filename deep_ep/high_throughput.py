@@ -26,12 +26,14 @@ from deep_ep import _C
 from deep_ep.errors import BufferTooSmallError
 from deep_ep.event import EventOverlap
 from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
+from deep_ep.fp8 import pack_ue8m0_unchecked, unpack_ue8m0
 from deep_ep.handle import EPHandle
 from deep_ep.plan.estimates import theoretical_num_qps, theoretical_num_sms
 
 __all__ = ["HighThroughputMixin"]
 
 FP8_GROUP_SIZE = 128
+UE8M0_PER_WORD = 4  # packed UE8M0 scales: exponent bytes of four groups per int32 word
 MAX_TOPK = 32
 # Link rate the SM estimate saturates. Ranks on different GPUs: the measured H200 peer copy one
 # way (395 GB/s, benchmarks/peer_copy.py, docs/performance.md). Ranks sharing a GPU: "NVLink" is
@@ -101,11 +103,21 @@ def _to_col_major_scales(launch: _CommLaunch, scales: torch.Tensor, device: torc
     padded to a multiple of 4 (a view ``[N, P]`` with strides ``(1, align(N, 4))``); copied on the
     comm stream after the epilogue wrote the row-major ones."""
     num_rows, num_groups = scales.shape
-    columns = launch.empty((num_groups, _align_up(max(num_rows, 1), 4)), torch.float32, device)
+    columns = launch.empty((num_groups, _align_up(max(num_rows, 1), 4)), scales.dtype, device)
     with torch.cuda.stream(launch.comm):
         columns[:, num_rows:].zero_()
         columns[:, :num_rows].copy_(scales.t())
     return columns.t()[:num_rows]
+
+
+def _packed_like_input(launch: _CommLaunch, scales: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The received fp32 scales ``[N, G]`` packed back into int32 UE8M0 words ``[N, G/4]`` (the input's
+    format), on the comm stream after the epilogue wrote them. Exact: the kernels copy the powers of
+    two that unpacking the input gave, bit for bit."""
+    packed = launch.empty((scales.shape[0], scales.shape[1] // UE8M0_PER_WORD), torch.int32, device)
+    with torch.cuda.stream(launch.comm):
+        packed.copy_(pack_ue8m0_unchecked(scales))
+    return packed
 
 
 def _kernel_ready(tensor: torch.Tensor) -> bool:
@@ -364,8 +376,13 @@ class HighThroughputMixin:
         call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8)
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         input_scales = scales
-        if scales is not None and not _kernel_ready(scales):
+        packed_scales = scales is not None and scales.dtype == torch.int32
+        if packed_scales:
+            # The kernels move fp32 scales: unpack the exponents, dispatch, pack the received ones.
             with torch.cuda.stream(launch.comm):  # after what comm waits for; used on comm only
+                scales = unpack_ue8m0(scales)
+        elif scales is not None and not _kernel_ready(scales):
+            with torch.cuda.stream(launch.comm):
                 scales = scales.clone(memory_format=torch.contiguous_format)
         if cached:
             new_handle = handle
@@ -448,6 +465,8 @@ class HighThroughputMixin:
             self._max_num_sms,
             launch.stream,
         )
+        if packed_scales:
+            recv_scales = _packed_like_input(launch, recv_scales, device)
         if use_fp8 and use_tma_aligned_col_major_sf:
             recv_scales = _to_col_major_scales(launch, recv_scales, device)
         used = (data, input_scales, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
@@ -833,8 +852,13 @@ class HighThroughputMixin:
                 f"{FP8_GROUP_SIZE} channels), got H={data.shape[1]}"
             )
         expected = [data.shape[0], data.shape[1] // FP8_GROUP_SIZE]
-        if scales.dtype != torch.float32 or list(scales.shape) != expected:
-            raise ValueError(f"x[1] (scales) must be float32 {expected}, got {_describe(scales)}")
+        if scales.dtype == torch.int32 and data.shape[1] % (UE8M0_PER_WORD * FP8_GROUP_SIZE) == 0:
+            expected = [data.shape[0], expected[1] // UE8M0_PER_WORD]  # packed UE8M0 exponents
+        if scales.dtype not in (torch.float32, torch.int32) or list(scales.shape) != expected:
+            raise ValueError(
+                f"x[1] (scales) must be float32 [T, H/128] or, with H % 512 == 0, int32 [T, H/512] (packed UE8M0 "
+                f"exponents, four per word): expected {expected}, got {_describe(scales)}"
+            )
         return data, scales
 
     def _check_num_experts(self, num_experts: Any) -> int:

@@ -100,12 +100,6 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantised, scales.reshape(num_tokens, padded_hidden // _GROUP)
 
 
-def _ue8m0_to_float(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[m, G/4]`` of packed exponent bytes -> fp32 ``[m, G]`` powers of two (byte 0 -> 0.0)."""
-    exponents = packed.contiguous().view(torch.uint8).to(torch.int32)
-    return (exponents << 23).view(torch.float32)
-
-
 def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
     """Dequantise ``(float8_e4m3fn [m, n], scales)`` to bf16 ``[m, n]``: ``bf16(float(q) * scale)``.
 
@@ -129,7 +123,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
                 f"packed UE8M0 scales must be int32 [{num_tokens}, {num_groups} / 4] (four groups per int), "
                 f"got {_describe(x_scales)}"
             )
-        scales = _ue8m0_to_float(x_scales)
+        scales = fp8.unpack_ue8m0(x_scales)
     elif x_scales.dtype == torch.float32:
         if tuple(x_scales.shape) != (num_tokens, num_groups):
             raise ValueError(f"scales must be float32 [{num_tokens}, {num_groups}], got {_describe(x_scales)}")

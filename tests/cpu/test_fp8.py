@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from deep_ep.fp8 import pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8
+from deep_ep.fp8 import pack_ue8m0, pack_ue8m0_unchecked, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
 
 
 def _row(values: list[float], hidden: int = 128) -> torch.Tensor:
@@ -290,6 +290,15 @@ def test_pack_ue8m0_of_round_scale_scales_round_trips():
     assert torch.equal(unpacked, scales)
     # Column-major views (as the TMA-aligned scales) pack by value, not by storage order.
     assert torch.equal(pack_ue8m0(scales.transpose(-1, -2).contiguous().transpose(-1, -2)), packed)
+
+
+def test_unpack_ue8m0_inverts_pack_and_the_unchecked_pack_agrees_on_powers_of_two():
+    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(7)).mul(30.0).bfloat16()
+    _, scales = per_token_cast_to_fp8(x, round_scale=True)
+    packed = pack_ue8m0(scales)
+    assert torch.equal(pack_ue8m0_unchecked(scales), packed)
+    assert torch.equal(unpack_ue8m0(packed), scales)
+    assert unpack_ue8m0(torch.tensor([[0x01_80_7F_00]], dtype=torch.int32)).tolist() == [[0.0, 1.0, 2.0, 2.0**-126]]
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,11 @@ import moe_layer  # noqa: E402  (examples/ is not a package)
 from rank_results import launch_once  # noqa: E402
 
 # A device wait that never ends fails in 30 s naming the peer and phase (CommTimeoutError), and the
-# launch as a whole gets 300 s: at 4 and 8 ranks on one H200 this test did not finish within 100 s
-# when it was first run (not yet diagnosed; 2 ranks pass in seconds).
+# launch as a whole gets 300 s. Known failure at 4 and 8 ranks on one H200 (2 ranks pass): first a
+# lazy-module-loading deadlock under MPS (fixed: kernels are loaded at buffer construction and the
+# launcher loads modules eagerly); since then, in the first training step, one rank's combine entry
+# barrier (epoch 3) times out seeing a peer's epoch 2 while that peer got past the same barrier. Not
+# diagnosed yet; the launcher's stack dumps (deep_ep/testing/launcher.py) show where each rank is.
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
 LAUNCH_TIMEOUT_SECS = 300.0
 

@@ -30,9 +30,8 @@ The sequences follow what V2's clients do:
 Rows the kernels leave undefined (no CPU sync, past ``recv_count``) are NaN in the expert outputs
 and weights handed to combine, so a combine that reads one fails the bitwise check.
 ``handle.recv_src_metadata`` is left to its own tests. Two probes pass dispatch inputs V2 accepts:
-fp8 scales with column-major strides (accepted: copied to packed rows on the comm stream) and int32
-packed UE8M0 input scales, which ElasticBuffer still refuses; that test is a strict xfail that
-starts passing once the gap is closed.
+fp8 scales with column-major strides (copied to packed rows on the comm stream) and int32 packed
+UE8M0 input scales (unpacked for the kernels, the received scales packed back the same way).
 
 One launch per rank count runs every sequence and returns each rank's mismatches; the tests assert
 on them.
@@ -1044,10 +1043,5 @@ def test_dispatch_takes_column_major_input_scales_as_v2_does(v2_results: list[di
     _accepted(v2_results, "column_major_scales")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ElasticBuffer.dispatch requires fp32 scales (ValueError); V2 also takes int32 packed UE8M0 scales",
-)
 def test_dispatch_takes_packed_ue8m0_input_scales_as_v2_does(v2_results: list[dict]) -> None:
     _accepted(v2_results, "ue8m0_scales")
