@@ -852,9 +852,15 @@ class HighThroughputMixin:
                 f"{FP8_GROUP_SIZE} channels), got H={data.shape[1]}"
             )
         expected = [data.shape[0], data.shape[1] // FP8_GROUP_SIZE]
-        if scales.dtype == torch.int32 and data.shape[1] % (UE8M0_PER_WORD * FP8_GROUP_SIZE) == 0:
+        packed = scales.dtype == torch.int32
+        if packed:
             expected = [data.shape[0], expected[1] // UE8M0_PER_WORD]  # packed UE8M0 exponents
-        if scales.dtype not in (torch.float32, torch.int32) or list(scales.shape) != expected:
+        packable = data.shape[1] % (UE8M0_PER_WORD * FP8_GROUP_SIZE) == 0
+        if (
+            scales.dtype not in (torch.float32, torch.int32)
+            or list(scales.shape) != expected
+            or (packed and not packable)
+        ):
             raise ValueError(
                 f"x[1] (scales) must be float32 [T, H/128] or, with H % 512 == 0, int32 [T, H/512] (packed UE8M0 "
                 f"exponents, four per word): expected {expected}, got {_describe(scales)}"
