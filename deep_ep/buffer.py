@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from deep_ep import _C
 from deep_ep.domains import local_rank_facts
-from deep_ep.errors import CommTimeoutError, PeerInputError
+from deep_ep.errors import CommTimeoutError, PeerInputError, timeout_message
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import HighThroughputMixin
@@ -500,18 +500,15 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             self._raise_timeout(self._runtime.error_record())
 
     def _raise_timeout(self, record: dict[str, Any]) -> None:
-        waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
         self._failure = CommTimeoutError(
-            f"rank {record['rank']}: {record['operation']} timed out after {self.num_gpu_timeout_secs:g} s "
-            f"in phase '{record['phase']}' waiting for {waited_for} "
-            f"(expected {record['expected']}, saw {record['seen']}); "
-            "the buffer refuses further work until destroy()",
+            timeout_message(record, self.num_gpu_timeout_secs),
             rank=record["rank"],
             peer=record["peer"],
             operation=record["operation"],
             phase=record["phase"],
             expected=record["expected"],
             seen=record["seen"],
+            peer_progress=record.get("peer_progress", -1),
         )
         raise self._failure
 

@@ -19,6 +19,7 @@ class CommTimeoutError(RuntimeError):
         phase: str = "",
         expected: int = 0,
         seen: int = 0,
+        peer_progress: int = -1,
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -27,6 +28,8 @@ class CommTimeoutError(RuntimeError):
         self.phase = phase
         self.expected = expected
         self.seen = seen
+        # Barrier timeouts: the barriers the peer completed by its own count (-1: not known).
+        self.peer_progress = peer_progress
 
 
 class BufferTooSmallError(ValueError):
@@ -49,3 +52,22 @@ class PeerInputError(ValueError):
         super().__init__(message)
         self.rank = rank
         self.operation = operation
+
+
+def timeout_message(record: dict, timeout_secs: float) -> str:
+    """The CommTimeoutError text for a device error record (``Runtime.error_record()``)."""
+    waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
+    message = (
+        f"rank {record['rank']}: {record['operation']} timed out after {timeout_secs:g} s in phase "
+        f"'{record['phase']}' waiting for {waited_for} (expected {record['expected']}, saw {record['seen']})"
+    )
+    progress = record.get("peer_progress", -1)
+    if record["peer"] >= 0 and progress >= 0:
+        if progress >= record["expected"]:
+            message += (
+                f"; rank {record['peer']} had completed {progress} barriers by its own count, so it passed this one "
+                "but its arrival never became visible here"
+            )
+        else:
+            message += f"; rank {record['peer']} had completed {progress} barriers by its own count"
+    return message + "; the buffer refuses further work until destroy()"

@@ -68,6 +68,11 @@ struct ErrorRecord {
   int32_t peer_failed_operation;  // Operation
   int32_t peer_failed_rank;       // the first such peer seen
   int32_t reserved2;
+  // Timeout of a barrier arrival: how many barriers the awaited peer has completed by its own
+  // count (its epoch cell, read through load/store at the timeout); -1 when not known. A count at
+  // or past the expected epoch means the peer passed the barrier but its arrival never became
+  // visible here; a smaller one that it never got there.
+  int64_t peer_progress;
 };
 
 const char* operation_name(int32_t operation);

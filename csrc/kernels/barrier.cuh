@@ -72,10 +72,17 @@ __device__ __forceinline__ bool group_barrier(const DeviceView& view, Operation 
   }
   for (int peer = first + threadIdx.x; peer < first + count; peer += blockDim.x) {
     const int64_t* cell = view.local<int64_t>(WorkspaceLayout::barrier_cells_offset + int64_t{peer} * 8);
-    const bool arrived = wait_until(view, operation, Phase::kBarrierArrive, peer, epoch, [&](int64_t& seen) {
-      seen = ptx::ld_acquire_sys(cell);
-      return seen >= epoch;
-    });
+    const bool arrived = wait_until_reporting(
+        view, operation, Phase::kBarrierArrive, peer, epoch,
+        [&](int64_t& seen) {
+          seen = ptx::ld_acquire_sys(cell);
+          return seen >= epoch;
+        },
+        // The peer's own count of completed barriers (its epoch cell), when load/store reachable.
+        [&] {
+          if (view.peer_bases[peer] == nullptr) return int64_t{-1};
+          return ptx::ld_acquire_sys(view.peer<int64_t>(peer, WorkspaceLayout::barrier_epoch_offset));
+        });
     if (!arrived) {
       atomicExch(&failed_shared, 1);
     } else {

@@ -13,7 +13,8 @@ namespace deep_ep {
 
 // First writer wins; later failures (consequences of the first) are not recorded.
 __device__ __forceinline__ void record_error(const DeviceView& view, ErrorStatus status, Operation operation,
-                                             Phase phase, int32_t peer, int64_t expected, int64_t seen) {
+                                             Phase phase, int32_t peer, int64_t expected, int64_t seen,
+                                             int64_t peer_progress = -1) {
   ErrorRecord* record = view.error;
   if (atomicCAS(&record->status, 0, -1) == 0) {  // -1: being written
     record->operation = static_cast<int32_t>(operation);
@@ -22,6 +23,7 @@ __device__ __forceinline__ void record_error(const DeviceView& view, ErrorStatus
     record->peer = peer;
     record->expected = expected;
     record->seen = seen;
+    record->peer_progress = peer_progress;
     __threadfence_system();
     ptx::st_release_sys(&record->status, static_cast<int32_t>(status));
   }
@@ -64,9 +66,12 @@ __device__ __forceinline__ bool error_recorded(const DeviceView& view) {
 // Spins until `probe(seen)` returns true. `probe` loads the watched value (with acquire semantics)
 // into `seen` and says whether the wait is over. Returns false on timeout or on an earlier error.
 // `timeout_ns` defaults to the buffer's deadline; waits on this rank's own CTAs pass a longer one.
-template <typename Probe>
-__device__ __forceinline__ bool wait_until(const DeviceView& view, Operation operation, Phase phase, int32_t peer,
-                                           int64_t expected, Probe&& probe, uint64_t timeout_ns = 0) {
+// `progress()` (called once, at the timeout) says how far the peer got by its own account, for the
+// error record (ErrorRecord::peer_progress); the plain form records -1.
+template <typename Probe, typename Progress>
+__device__ __forceinline__ bool wait_until_reporting(const DeviceView& view, Operation operation, Phase phase,
+                                                     int32_t peer, int64_t expected, Probe&& probe, Progress&& progress,
+                                                     uint64_t timeout_ns = 0) {
   if (timeout_ns == 0) timeout_ns = view.timeout_ns;
   int64_t seen = 0;
   if (probe(seen)) return true;
@@ -77,11 +82,18 @@ __device__ __forceinline__ bool wait_until(const DeviceView& view, Operation ope
     if ((spin & 255) == 0) {
       if (error_recorded(view)) return false;
       if (ptx::global_timer_ns() - start > timeout_ns) {
-        record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen);
+        record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen, progress());
         return false;
       }
     }
   }
+}
+
+template <typename Probe>
+__device__ __forceinline__ bool wait_until(const DeviceView& view, Operation operation, Phase phase, int32_t peer,
+                                           int64_t expected, Probe&& probe, uint64_t timeout_ns = 0) {
+  return wait_until_reporting(
+      view, operation, phase, peer, expected, probe, [] { return int64_t{-1}; }, timeout_ns);
 }
 
 // Rank masking (LL only, opt-in): `mask` is this rank's int32 [R] mask in device memory, 1 for a

@@ -77,6 +77,7 @@ void register_runtime(py::module_& m) {
              d["peer"] = record.peer;
              d["expected"] = record.expected;
              d["seen"] = record.seen;
+             d["peer_progress"] = record.peer_progress;
              d["invalid_status"] = record.invalid_status;
              d["invalid_operation"] = std::string(operation_name(record.invalid_operation));
              d["invalid_expert"] = record.invalid_expert;

@@ -212,6 +212,7 @@ ErrorRecord Runtime::error_record() const {
   copy.peer_failed_operation = record->peer_failed_operation;
   copy.peer_failed_rank = record->peer_failed_rank;
   copy.reserved2 = 0;
+  copy.peer_progress = record->peer_progress;
   return copy;
 }
 

@@ -57,3 +57,25 @@ def test_peer_input_error_is_a_value_error_naming_the_rank():
     error = PeerInputError("rank 2's input failed", rank=2, operation="combine")
     assert isinstance(error, ValueError)
     assert (error.rank, error.operation) == (2, "combine")
+
+
+def _record(**overrides):
+    record = {"rank": 1, "peer": 0, "operation": "combine", "phase": "barrier arrival", "expected": 3, "seen": 2}
+    record.update(overrides)
+    return record
+
+
+def test_a_barrier_timeout_says_whether_the_peer_passed_the_barrier_by_its_own_count():
+    from deep_ep.errors import timeout_message
+
+    base = timeout_message(_record(peer_progress=-1), 20.0)
+    assert base == (
+        "rank 1: combine timed out after 20 s in phase 'barrier arrival' waiting for rank 0 (expected 3, saw 2); "
+        "the buffer refuses further work until destroy()"
+    )
+    passed = timeout_message(_record(peer_progress=4), 20.0)
+    assert "rank 0 had completed 4 barriers by its own count, so it passed this one" in passed
+    behind = timeout_message(_record(peer_progress=2), 20.0)
+    assert "rank 0 had completed 2 barriers by its own count;" in behind and "passed this one" not in behind
+    own_grid = timeout_message(_record(peer=-1, phase="grid synchronisation", peer_progress=-1), 20.0)
+    assert "waiting for the other CTAs of its own kernel" in own_grid
