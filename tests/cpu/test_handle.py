@@ -143,3 +143,45 @@ def test_handle_counts_fields_are_packed_back_to_back(num_ranks, num_local):
     ranks, local = num_ranks, num_local
     assert sizes == (ranks, ranks, ranks * local, local, local, local)
     assert sum(sizes) == _counts_layout(num_ranks, num_local)["total"]
+
+
+# --------------------------------------------------------------------------- fp8 input scales
+
+
+class _HostTensorBuffer(_FakeHighThroughputBuffer):
+    """Takes CPU tensors where the buffer takes device tensors (the checks below are about dtypes,
+    shapes and strides only)."""
+
+    def _check_tensor(self, name, tensor, device, any_strides=False):
+        if not any_strides and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def _fp8(num_tokens: int, hidden: int) -> torch.Tensor:
+    return torch.zeros(num_tokens, hidden, dtype=torch.float8_e4m3fn)
+
+
+def test_dispatch_takes_fp8_scales_of_any_strides_and_packed_ue8m0_words():
+    buffer = _HostTensorBuffer(serial=1)
+    device = buffer._torch_device
+    data = _fp8(6, 1024)
+    column_major = torch.ones(8, 6).t()  # fp32 [T, H/128] with strides (1, T)
+    assert buffer._check_dispatch_x((data, column_major), device)[1] is column_major
+    packed = torch.zeros(6, 2, dtype=torch.int32)  # [T, H/512]: four UE8M0 bytes per word
+    assert buffer._check_dispatch_x((data, packed), device)[1] is packed
+
+
+@pytest.mark.parametrize(
+    ("hidden", "scales"),
+    [
+        (1024, torch.zeros(6, 8, dtype=torch.int32)),  # int32 must be packed: [T, H/512]
+        (384, torch.zeros(6, 3, dtype=torch.int32)),  # H % 512 != 0 cannot be packed four groups a word
+        (1024, torch.zeros(6, 8, dtype=torch.float16)),
+        (1024, torch.zeros(6, 2)),  # fp32 must be [T, H/128]
+    ],
+    ids=["int32-unpacked-shape", "int32-H-384", "fp16", "fp32-packed-shape"],
+)
+def test_dispatch_refuses_other_scale_formats_naming_both_accepted_ones(hidden, scales):
+    buffer = _HostTensorBuffer(serial=1)
+    with pytest.raises(ValueError, match=r"float32 \[T, H/128\] or, with H % 512 == 0, int32 \[T, H/512\]"):
+        buffer._check_dispatch_x((_fp8(6, hidden), scales), buffer._torch_device)

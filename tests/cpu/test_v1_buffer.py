@@ -729,6 +729,9 @@ class _RecordingLowLatencyCore(SimpleNamespace):
     def _ll_masked_ranks(self) -> list[int]:
         return []
 
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        self.calls.append(("low_latency_update_mask_buffer", rank_to_mask, mask))
+
     def _ensure_usable(self) -> None:
         pass
 
@@ -1098,3 +1101,23 @@ def test_the_first_call_exchanges_over_a_one_rank_gloo_group(tmp_path, monkeypat
         assert buffer.low_latency_sizing == (LL_T, LL_H, LL_E)
     finally:
         dist.destroy_process_group()
+
+
+def test_masks_set_before_the_first_low_latency_call_are_applied_to_the_window_it_builds(fake_cores):
+    buffer = Buffer(
+        _Group(),
+        0,
+        low_latency_window_bytes(LL_T, LL_H, 2, LL_E),
+        low_latency_mode=True,
+        explicitly_destroy=True,
+        enable_shrink=True,
+    )
+    buffer.low_latency_update_mask_buffer(1, True)
+    x, topk_idx = _ll_inputs()
+    buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
+    ll_core = buffer._ll_core
+    assert ll_core.kwargs["enable_rank_masking"] is True
+    assert ll_core.calls[0] == ("low_latency_update_mask_buffer", 1, True)
+    assert ll_core.calls[1][0] == "low_latency_dispatch"
+    buffer.low_latency_update_mask_buffer(1, False)  # now straight to the window's mask
+    assert ll_core.calls[-1] == ("low_latency_update_mask_buffer", 1, False)
