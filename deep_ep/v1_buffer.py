@@ -27,7 +27,7 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   always. Differences: rows of an expert are ordered by (source rank, source token), V1's by
   arrival; ``clean_low_latency_buffer`` cleans nothing (the core's LL signals are epoch-tagged and
   never need cleaning) but builds the LL window when no LL call did yet; ``zero_copy`` changes
-  nothing (combine always reads ``x`` in place); ``use_logfmt`` and the rank masks are not provided.
+  nothing (combine always reads ``x`` in place); ``use_logfmt`` is not provided.
 * **Results with V1's meanings.** ``recv_topk_idx`` holds local expert ids and -1 elsewhere; the
   weights of -1 slots are zeroed (the core forwards all K). With ``num_worst_tokens > 0`` there is no
   CPU sync: outputs have exactly ``num_worst_tokens`` rows, rows past the received count have
