@@ -9,7 +9,10 @@ dead rank's contributions count as zero). The following operations, with and wit
 exact and fast (no wait on the masked rank). ``low_latency_clean_mask_buffer`` restores the rank,
 so the next operation waits for it again, masks it again after the timeout and is still exact;
 ``low_latency_update_mask_buffer`` masks it ahead of time, so no operation waits for it. Before the
-death, with masking enabled and every rank alive, results are exact and nothing is masked.
+death, with masking enabled and every rank alive, results are exact and nothing is masked. The
+"between" case also runs through DeepEP V1's spelling (``deep_ep.Buffer(enable_shrink=True)``, a
+mask set and cleaned before its LL window exists); destroy() skips the closing barriers of both of
+its windows for the masked rank.
 
 Experts are identities (combine gets back each rank's received rows unchanged) and the dispatch is
 bf16, so every check is bitwise: compact rows of local expert ``l`` equal the selecting tokens of
