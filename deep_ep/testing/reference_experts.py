@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expert_rows", "expert_rows_expanded", "expert_scale", "leaf", "step_loss", "step_results"]
+__all__ = [
+    "Fanout",
+    "dense_step",
+    "expert_rows",
+    "expert_rows_expanded",
+    "expert_scale",
+    "leaf",
+    "node_sum",
+    "step_loss",
+    "step_results",
+]
 
 
 def expert_scale(experts: torch.Tensor) -> torch.Tensor:
@@ -62,3 +72,92 @@ def step_results(out, combined_weights, x, w, biases, gain_grad=None) -> dict:
         "bias_grads": [b.grad for b in biases],
         "gain_grad": gain_grad,
     }
+
+
+def node_sum(contributions: list[torch.Tensor], node_size: int, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine's order over ranks, continuing ``acc`` (fp32; zeros when None): direct (one node)
+    adds each rank's contribution in ascending order; hybrid adds, node by node, the node's partial
+    (its ranks' contributions summed in fp32 from 0.0, rounded to bf16)."""
+    acc = torch.zeros_like(contributions[0]) if acc is None else acc
+    num_ranks = len(contributions)
+    if node_size == num_ranks:
+        for contribution in contributions:
+            acc = acc + contribution
+        return acc
+    for first in range(0, num_ranks, node_size):
+        node = torch.zeros_like(acc)
+        for contribution in contributions[first : first + node_size]:
+            node = node + contribution
+        acc = acc + node.to(torch.bfloat16).float()
+    return acc
+
+
+class Fanout(torch.autograd.Function):
+    """The dense reference's dispatch: one copy of ``x`` per (rank, group); backward sums the
+    copies' gradients as combine does (per rank in fp32 over its groups, rounded to bf16; then over
+    ranks ascending in fp32, hybrid: per node first, rounded to bf16 once)."""
+
+    @staticmethod
+    def forward(ctx, x, num_ranks, groups_per_rank, node_size):
+        ctx.num_ranks, ctx.groups, ctx.node_size = num_ranks, groups_per_rank, node_size
+        return tuple(x.clone() for _ in range(num_ranks * groups_per_rank))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        like = next(g for g in grads if g is not None)
+        per_rank = []
+        for rank in range(ctx.num_ranks):
+            partial = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+            for group in range(ctx.groups):
+                grad = grads[rank * ctx.groups + group]
+                if grad is not None:
+                    partial = partial + grad.float()
+            per_rank.append(partial.to(torch.bfloat16).float())
+        return node_sum(per_rank, ctx.node_size).to(torch.bfloat16), None, None, None
+
+
+def dense_step(
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    bias: list[torch.Tensor],
+    routing: torch.Tensor,
+    gains: list[torch.Tensor],
+    num_local: int,
+    do_expand: bool,
+    combine_weights: bool,
+    node_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One source rank's MoE step on the whole group in one process, differentiable with plain
+    torch autograd: ``(out, combined_weights)`` as dispatch -> expert rows -> combine give them
+    (``routing`` sanitised; ``gains[r]`` rank ``r``'s learnable gain; nodes of ``node_size`` ranks,
+    ``len(gains)`` for direct mode). ``combined_weights`` (with ``combine_weights``) is ``2 w`` on
+    the routed slots, 0 elsewhere."""
+    num_ranks = len(gains)
+    groups = num_local if do_expand else 1
+    copies = Fanout.apply(x, num_ranks, groups, node_size)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for term in bias:
+        acc = acc + term.float()
+    contributions = []
+    for rank in range(num_ranks):
+        local = torch.where((routing >= 0) & (routing // num_local == rank), routing % num_local, -1)
+        present = (local >= 0).any(dim=1)
+        if not do_expand:
+            contribution = expert_rows(copies[rank], local, w, rank, num_local, gains[rank]).float()
+        else:
+            partial = torch.zeros_like(acc)
+            for expert in range(num_local):
+                match = local == expert
+                has = match.any(dim=1)
+                slot = match.to(torch.int64).argmax(dim=1, keepdim=True)
+                pair_weights = None if w is None else w.gather(1, slot).squeeze(1)
+                row_local = torch.where(has, expert, -1)
+                y = expert_rows_expanded(
+                    copies[rank * groups + expert], row_local, pair_weights, rank, num_local, gains[rank]
+                )
+                partial = partial + torch.where(has.unsqueeze(1), y.float(), 0.0)
+            contribution = partial.to(torch.bfloat16).float()
+        contributions.append(torch.where(present.unsqueeze(1), contribution, 0.0))
+    out = node_sum(contributions, node_size, acc).to(torch.bfloat16)
+    combined_weights = torch.where(routing >= 0, w * 2, 0.0) if combine_weights else None
+    return out, combined_weights

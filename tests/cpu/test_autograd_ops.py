@@ -32,7 +32,14 @@ from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import _counts_layout
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
-from deep_ep.testing.reference_experts import expert_rows, expert_rows_expanded, leaf, step_loss, step_results
+from deep_ep.testing.reference_experts import (
+    dense_step,
+    expert_rows,
+    expert_rows_expanded,
+    leaf,
+    step_loss,
+    step_results,
+)
 from deep_ep.testing.reference_inputs import align_up
 
 # ---------------------------------------------------------------------------------------------- fake group
@@ -388,33 +395,10 @@ def library_step(buffer, case: Case, use_ops: bool):
     return step_results(out, combined_weights, x, w, bias, gain.grad)
 
 
-class Fanout(torch.autograd.Function):
-    """The reference's dispatch: one copy of ``x`` per (rank, group); backward sums the copies'
-    gradients as combine does: per rank in fp32 over its groups (ascending) rounded to bf16, then
-    over ranks (ascending) in fp32, rounded to bf16 once."""
-
-    @staticmethod
-    def forward(ctx, x, num_ranks, groups_per_rank):
-        ctx.num_ranks, ctx.groups = num_ranks, groups_per_rank
-        return tuple(x.clone() for _ in range(num_ranks * groups_per_rank))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        acc = torch.zeros(grads[0].shape, dtype=torch.float32)
-        for rank in range(ctx.num_ranks):
-            partial = torch.zeros_like(acc)
-            for group in range(ctx.groups):
-                grad = grads[rank * ctx.groups + group]
-                if grad is not None:
-                    partial = partial + grad.float()
-            acc = acc + partial.to(torch.bfloat16).float()
-        return acc.to(torch.bfloat16), None, None
-
-
 def dense_reference(case: Case) -> list[dict]:
     """The whole group's MoE step in one process with plain torch autograd (per source rank)."""
     data, grads, weight_grads, biases, gains = case_inputs(case)
-    num_ranks, num_local = case.num_ranks, case.num_local
+    num_ranks = case.num_ranks
     gains = [leaf(gain) for gain in gains]
     results = []
     for source in range(num_ranks):
@@ -422,32 +406,9 @@ def dense_reference(case: Case) -> list[dict]:
         w = leaf(None if data.topk_weights is None else data.topk_weights[source])
         bias = [leaf(b) for b in biases[source]]
         routing = sanitize_topk_idx(data.topk_idx[source], case.num_experts)
-        groups = num_local if case.do_expand else 1
-        copies = Fanout.apply(x, num_ranks, groups)
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        for term in bias:
-            acc = acc + term.float()
-        for rank in range(num_ranks):
-            local = torch.where((routing >= 0) & (routing // num_local == rank), routing % num_local, -1)
-            present = (local >= 0).any(dim=1)
-            if not case.do_expand:
-                contribution = expert_rows(copies[rank], local, w, rank, num_local, gains[rank]).float()
-            else:
-                partial = torch.zeros(x.shape, dtype=torch.float32)
-                for expert in range(num_local):
-                    match = local == expert
-                    has = match.any(dim=1)
-                    slot = match.to(torch.int64).argmax(dim=1, keepdim=True)
-                    weights = None if w is None else w.gather(1, slot).squeeze(1)
-                    row_local = torch.where(has, expert, -1)
-                    y = expert_rows_expanded(
-                        copies[rank * groups + expert], row_local, weights, rank, num_local, gains[rank]
-                    )
-                    partial = partial + torch.where(has.unsqueeze(1), y.float(), 0.0)
-                contribution = partial.to(torch.bfloat16).float()
-            acc = acc + torch.where(present.unsqueeze(1), contribution, 0.0)
-        out = acc.to(torch.bfloat16)
-        combined_weights = torch.where(routing >= 0, w * 2, 0.0) if case.combine_weights else None
+        out, combined_weights = dense_step(
+            x, w, bias, routing, gains, case.num_local, case.do_expand, case.combine_weights, num_ranks
+        )
         step_loss(out, combined_weights, grads[source], weight_grads[source]).backward()
         results.append(step_results(out, combined_weights, x, w, bias))
     for rank, result in enumerate(results):  # a rank's expert gain collects every source's rows

@@ -6,9 +6,10 @@ The reference (``dense_reference``) holds every rank's inputs (seeded generators
 plain torch autograd, what the step produces for each source rank: per destination rank the same
 expert function on the tokens routed there, summed like combine (fp32 from 0.0: biases, then
 destination ranks ascending, one bf16 rounding; expand: per rank over its local experts first,
-rounded to bf16). Dispatch is modelled by ``Fanout``: one copy of ``x`` per (rank, local expert
-group) whose backward sums the copies' gradients in that same order, which is the library's
-contract for dispatch's backward (a combine). Every value and gradient that is a fixed sequence of
+rounded to bf16). Dispatch is modelled by ``Fanout`` (deep_ep.testing.reference_experts, shared
+with the CPU tests): one copy of ``x`` per (rank, local expert group) whose backward sums the
+copies' gradients in that same order, which is the library's contract for dispatch's backward (a
+combine). Every value and gradient that is a fixed sequence of
 elementwise fp32 operations is compared bitwise: outputs, combined weights, ``x.grad``, bias grads.
 Gradients of the routing weights and of the experts' gains are fp32 reductions (over H, over rows)
 whose order depends on the tensor shapes (the library reduces over N received rows, the reference
@@ -28,7 +29,14 @@ import deep_ep.ops as ep_ops
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_dispatch, sanitize_topk_idx
-from deep_ep.testing.reference_experts import expert_rows, expert_rows_expanded, leaf, step_loss, step_results
+from deep_ep.testing.reference_experts import (
+    dense_step,
+    expert_rows,
+    expert_rows_expanded,
+    leaf,
+    step_loss,
+    step_results,
+)
 
 HIDDEN = 256
 MAX_TOKENS = 128
@@ -126,54 +134,12 @@ def library_step(buffer, rank: int, num_ranks: int, case: Case, use_ops: bool) -
     return step_results(out, combined_weights, x, w, bias, gain.grad)
 
 
-def _node_sum(contributions: list[torch.Tensor], node_size: int, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """Combine's order over ranks, continuing ``acc`` (fp32; zeros when None): direct (one node)
-    adds each rank's contribution in ascending order; hybrid adds, node by node, the node's partial
-    (its ranks' contributions summed in fp32 from 0.0, rounded to bf16)."""
-    acc = torch.zeros_like(contributions[0]) if acc is None else acc
-    num_ranks = len(contributions)
-    if node_size == num_ranks:
-        for contribution in contributions:
-            acc = acc + contribution
-        return acc
-    for first in range(0, num_ranks, node_size):
-        node = torch.zeros_like(acc)
-        for contribution in contributions[first : first + node_size]:
-            node = node + contribution
-        acc = acc + node.to(torch.bfloat16).float()
-    return acc
-
-
-class Fanout(torch.autograd.Function):
-    """The reference's dispatch: one copy of ``x`` per (rank, group); backward sums the copies'
-    gradients as combine does (per rank in fp32 over its groups, rounded to bf16; then over ranks
-    ascending in fp32, hybrid: per node first, rounded to bf16 once)."""
-
-    @staticmethod
-    def forward(ctx, x, num_ranks, groups_per_rank, node_size):
-        ctx.num_ranks, ctx.groups, ctx.node_size = num_ranks, groups_per_rank, node_size
-        return tuple(x.clone() for _ in range(num_ranks * groups_per_rank))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        like = next(g for g in grads if g is not None)
-        per_rank = []
-        for rank in range(ctx.num_ranks):
-            partial = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-            for group in range(ctx.groups):
-                grad = grads[rank * ctx.groups + group]
-                if grad is not None:
-                    partial = partial + grad.float()
-            per_rank.append(partial.to(torch.bfloat16).float())
-        return _node_sum(per_rank, ctx.node_size).to(torch.bfloat16), None, None, None
-
-
 def dense_reference(case: Case, num_ranks: int, node_size: int | None = None) -> list[dict]:
     """The whole group's step in one process, plain torch autograd (results per source rank);
     ``node_size``: hybrid mode's combine order with nodes of that many ranks (None: direct)."""
     node_size = node_size or num_ranks
     xs, topk_idxs, weights, grads, weight_grads, biases, gains = case_inputs(case, num_ranks)
-    num_local, num_experts = case.num_local, case.num_experts(num_ranks)
+    num_experts = case.num_experts(num_ranks)
     gains = [leaf(gain) for gain in gains]
     results = []
     for source in range(num_ranks):
@@ -181,33 +147,9 @@ def dense_reference(case: Case, num_ranks: int, node_size: int | None = None) ->
         w = leaf(None if weights is None else weights[source])
         bias = [leaf(b) for b in biases[source]]
         routing = sanitize_topk_idx(topk_idxs[source], num_experts)
-        groups = num_local if case.do_expand else 1
-        copies = Fanout.apply(x, num_ranks, groups, node_size)
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for term in bias:
-            acc = acc + term.float()
-        contributions = []
-        for rank in range(num_ranks):
-            local = torch.where((routing >= 0) & (routing // num_local == rank), routing % num_local, -1)
-            present = (local >= 0).any(dim=1)
-            if not case.do_expand:
-                contribution = expert_rows(copies[rank], local, w, rank, num_local, gains[rank]).float()
-            else:
-                partial = torch.zeros_like(acc)
-                for expert in range(num_local):
-                    match = local == expert
-                    has = match.any(dim=1)
-                    slot = match.to(torch.int64).argmax(dim=1, keepdim=True)
-                    pair_weights = None if w is None else w.gather(1, slot).squeeze(1)
-                    row_local = torch.where(has, expert, -1)
-                    y = expert_rows_expanded(
-                        copies[rank * groups + expert], row_local, pair_weights, rank, num_local, gains[rank]
-                    )
-                    partial = partial + torch.where(has.unsqueeze(1), y.float(), 0.0)
-                contribution = partial.to(torch.bfloat16).float()
-            contributions.append(torch.where(present.unsqueeze(1), contribution, 0.0))
-        out = _node_sum(contributions, node_size, acc).to(torch.bfloat16)
-        combined_weights = torch.where(routing >= 0, w * 2, 0.0) if case.combine_weights else None
+        out, combined_weights = dense_step(
+            x, w, bias, routing, gains, case.num_local, case.do_expand, case.combine_weights, node_size
+        )
         step_loss(out, combined_weights, grads[source], weight_grads[source]).backward()
         results.append(step_results(out, combined_weights, x, w, bias, None))
     for rank, result in enumerate(results):  # a rank's gain collects every source's rows
