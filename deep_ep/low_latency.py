@@ -55,6 +55,14 @@ def _require_tensor(name: str, value: Any, expected: str) -> None:
         raise TypeError(f"{name} must be a tensor ({expected}), got {type(value).__name__}")
 
 
+def check_rank_to_mask(rank_to_mask: Any, num_ranks: int, own_rank: int) -> None:
+    """The rank a mask update names: a rank of the group other than the caller's."""
+    if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < num_ranks:
+        raise ValueError(f"rank_to_mask must be a rank in [0, {num_ranks}), got {rank_to_mask!r}")
+    if rank_to_mask == own_rank:
+        raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
+
+
 def _pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
@@ -414,10 +422,7 @@ class LowLatencyMixin:
         contributions zero). A rank must not mask itself. A rank masked by its peers must make no
         further LL call on this buffer (it would wait for peers that no longer send to it)."""
         mask_tensor = self._ll_require_masking("low_latency_update_mask_buffer")
-        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.num_ranks:
-            raise ValueError(f"rank_to_mask must be a rank in [0, {self.num_ranks}), got {rank_to_mask!r}")
-        if rank_to_mask == self.rank_idx:
-            raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
+        check_rank_to_mask(rank_to_mask, self.num_ranks, self.rank_idx)
         mask_tensor[rank_to_mask].fill_(1 if mask else 0)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:

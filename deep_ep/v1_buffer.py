@@ -79,7 +79,7 @@ from deep_ep.buffer import ElasticBuffer
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
-from deep_ep.low_latency import LowLatencyHandle
+from deep_ep.low_latency import LowLatencyHandle, check_rank_to_mask
 from deep_ep.window import window_tensor
 
 __all__ = [
@@ -1532,10 +1532,7 @@ class Buffer:
         if core is not None:
             core.low_latency_update_mask_buffer(rank_to_mask, mask)
             return
-        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
-            raise ValueError(f"rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
-        if rank_to_mask == self.rank:
-            raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
+        check_rank_to_mask(rank_to_mask, self.group_size, self.rank)
         others = set(self._pending_masked_ranks) - {rank_to_mask}
         self._pending_masked_ranks = others | {rank_to_mask} if mask else others
 
