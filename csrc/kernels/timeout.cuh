@@ -63,30 +63,44 @@ __device__ __forceinline__ bool error_recorded(const DeviceView& view) {
   return ptx::ld_relaxed_sys(&view.error->status) != 0;
 }
 
-// Spins until `probe(seen)` returns true. `probe` loads the watched value (with acquire semantics)
-// into `seen` and says whether the wait is over. Returns false on timeout or on an earlier error.
-// `timeout_ns` defaults to the buffer's deadline; waits on this rank's own CTAs pass a longer one.
-// `progress()` (called once, at the timeout) says how far the peer got by its own account, for the
-// error record (ErrorRecord::peer_progress); the plain form records -1.
+// How a spin ended (spin_until).
+enum class SpinEnd : int { kDone, kStopped, kError, kTimeout };
+
+// The one spin loop of every device wait. `probe(seen)` loads the watched value (with acquire
+// semantics) into `seen` and says whether the wait is over (kDone). Every 256 spins, `stop()` may
+// end the wait (kStopped), then an error recorded by another thread ends it (kError), then the
+// deadline (kTimeout): reading the host-mapped record crosses PCIe, so it and the clock are looked
+// at only now and then.
+template <typename Probe, typename Stop>
+__device__ __forceinline__ SpinEnd spin_until(const DeviceView& view, Probe&& probe, Stop&& stop, uint64_t timeout_ns,
+                                              int64_t& seen) {
+  if (probe(seen)) return SpinEnd::kDone;
+  const uint64_t start = ptx::global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (probe(seen)) return SpinEnd::kDone;
+    if ((spin & 255) == 0) {
+      if (stop()) return SpinEnd::kStopped;
+      if (error_recorded(view)) return SpinEnd::kError;
+      if (ptx::global_timer_ns() - start > timeout_ns) return SpinEnd::kTimeout;
+    }
+  }
+}
+
+// Spins until `probe(seen)` returns true; returns false on timeout (recorded) or on an earlier
+// error. `timeout_ns` defaults to the buffer's deadline; waits on this rank's own CTAs pass a
+// longer one. `progress()` (called once, at the timeout) says how far the peer got by its own
+// account, for the error record (ErrorRecord::peer_progress); the plain form records -1.
 template <typename Probe, typename Progress>
 __device__ __forceinline__ bool wait_until_reporting(const DeviceView& view, Operation operation, Phase phase,
                                                      int32_t peer, int64_t expected, Probe&& probe, Progress&& progress,
                                                      uint64_t timeout_ns = 0) {
-  if (timeout_ns == 0) timeout_ns = view.timeout_ns;
   int64_t seen = 0;
-  if (probe(seen)) return true;
-  const uint64_t start = ptx::global_timer_ns();
-  for (uint32_t spin = 1;; ++spin) {
-    if (probe(seen)) return true;
-    // Reading the host-mapped record crosses PCIe: look at it and at the clock only now and then.
-    if ((spin & 255) == 0) {
-      if (error_recorded(view)) return false;
-      if (ptx::global_timer_ns() - start > timeout_ns) {
-        record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen, progress());
-        return false;
-      }
-    }
+  const SpinEnd end = spin_until(
+      view, probe, [] { return false; }, timeout_ns == 0 ? view.timeout_ns : timeout_ns, seen);
+  if (end == SpinEnd::kTimeout) {
+    record_error(view, ErrorStatus::kTimeout, operation, phase, peer, expected, seen, progress());
   }
+  return end == SpinEnd::kDone;
 }
 
 template <typename Probe>
@@ -117,19 +131,19 @@ __device__ __forceinline__ WaitResult wait_or_mask(const DeviceView& view, int32
   }
   if (peer_masked(mask, peer)) return WaitResult::kMasked;
   int64_t seen = 0;
-  if (probe(seen)) return WaitResult::kArrived;
-  const uint64_t start = ptx::global_timer_ns();
-  for (uint32_t spin = 1;; ++spin) {
-    if (probe(seen)) return WaitResult::kArrived;
-    if ((spin & 255) == 0) {
-      if (peer_masked(mask, peer)) return WaitResult::kMasked;
-      if (error_recorded(view)) return WaitResult::kFailed;
-      if (ptx::global_timer_ns() - start > view.timeout_ns) {
-        atomicExch(mask + peer, 1);
-        return WaitResult::kMasked;
-      }
-    }
+  switch (spin_until(
+      view, probe, [&] { return peer_masked(mask, peer); }, view.timeout_ns, seen)) {
+    case SpinEnd::kDone:
+      return WaitResult::kArrived;
+    case SpinEnd::kError:
+      return WaitResult::kFailed;
+    case SpinEnd::kTimeout:
+      atomicExch(mask + peer, 1);
+      return WaitResult::kMasked;
+    case SpinEnd::kStopped:
+      break;
   }
+  return WaitResult::kMasked;
 }
 
 }  // namespace deep_ep
