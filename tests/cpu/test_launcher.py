@@ -117,13 +117,9 @@ def test_a_failure_reports_the_stacks_of_ranks_that_neither_failed_nor_finished(
     assert "_rank_zero_fails_while_rank_one_hangs" in info.value.remote_traceback.split("--- rank 1 stacks ---")[1]
 
 
-def _module_loading(rank, num_ranks, group):
+def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkeypatch):
     import os
 
-    return os.environ.get("CUDA_MODULE_LOADING")
-
-
-def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkeypatch):
     from deep_ep.testing import launcher
 
     monkeypatch.delenv("EP_LAUNCH_MODULE_LOADING", raising=False)
@@ -136,7 +132,5 @@ def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkey
     assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "LAZY"}
     monkeypatch.delenv("CUDA_MODULE_LOADING")
     with launcher._child_environment({"CUDA_MODULE_LOADING": "EAGER"}):
-        import os
-
         assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    assert "CUDA_MODULE_LOADING" not in __import__("os").environ
+    assert "CUDA_MODULE_LOADING" not in os.environ
