@@ -261,8 +261,8 @@ def _launch_once(
             rank, remote_traceback, pickled = failure
             listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
             # Ranks that neither failed nor finished are stuck (often what the failure waited for).
-            silent = [r for r in range(num_ranks) if r not in collected and r not in finished and r != rank]
-            silent = [r for r in silent if r not in {other for other, _ in others}]
+            reported = {*collected, *finished, rank, *(other for other, _ in others)}
+            silent = [r for r in range(num_ranks) if r not in reported]
             listing += _dump_stacks(processes, silent, store_dir)
             failure = (rank, remote_traceback + listing, pickled)
     finally:
