@@ -88,14 +88,14 @@ struct LowLatencyDispatchArgs {
   // Receive phase outputs besides the counts. recv_x == nullptr: rows stay in the window in
   // per-source blocks (zero-copy); otherwise expert l's rows are copied to recv_x[l] packed in
   // [0, recv_count[l]) ordered by (source, source token), with their scales in `scales_format`.
-  void* recv_x = nullptr;                         // [L, R * T_ll, H] fp8 or bf16
-  void* recv_scales = nullptr;                    // fp8 only
+  void* recv_x = nullptr;       // [L, R * T_ll, H] fp8 or bf16
+  void* recv_scales = nullptr;  // fp8 only
   LowLatencyScales scales_format = LowLatencyScales::kFp32RowMajor;
-  int32_t* recv_src_info = nullptr;               // [L, R * T_ll] source token of each row (output layout)
-  int64_t* recv_layout_range = nullptr;           // [L, R] (first row << 32) | count, output layout
-  int32_t* cumulative_recv_stats = nullptr;       // [L] += recv_count
-  int64_t* wait_cost_stats = nullptr;             // [R] += clock64 cycles waited for each source
-  int32_t* rank_mask = nullptr;                   // [R] rank masking (kernels/timeout.cuh); nullptr: off
+  int32_t* recv_src_info = nullptr;          // [L, R * T_ll] source token of each row (output layout)
+  int64_t* recv_layout_range = nullptr;      // [L, R] (first row << 32) | count, output layout
+  int32_t* cumulative_recv_stats = nullptr;  // [L] += recv_count
+  int64_t* wait_cost_stats = nullptr;        // [R] += clock64 cycles waited for each source
+  int32_t* rank_mask = nullptr;              // [R] rank masking (kernels/timeout.cuh); nullptr: off
 };
 
 struct LowLatencyCombineArgs {
@@ -163,9 +163,8 @@ __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowL
 // publishes). CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each
 // CTA then waits until every peer released epoch - 1 operations here — normally already true, from
 // the peer's previous send. Returns false on timeout (the CTA must not write then).
-__device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout,
-                                           int64_t area_offset, int32_t epoch, Operation operation,
-                                           bool input_failed, int32_t* rank_mask) {
+__device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t area_offset,
+                                           int32_t epoch, Operation operation, bool input_failed, int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   if (input_failed) announce_input_failed(view);
