@@ -74,9 +74,9 @@ LowLatencyDispatchArgs dispatch_args(const Runtime& runtime, const LowLatencySet
 }
 
 LowLatencyCombineArgs combine_args(const Runtime& runtime, const LowLatencySettings& settings, int dispatch_area,
-                                   int area, std::uintptr_t x, std::uintptr_t count_per_source,
-                                   std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out,
-                                   int num_tokens, int num_topk, int num_sms) {
+                                   int area, std::uintptr_t x, std::uintptr_t count_per_source, std::uintptr_t topk_idx,
+                                   std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens, int num_topk,
+                                   int num_sms) {
   LowLatencyCombineArgs args;
   args.view = runtime.device_view();
   args.layout = layout_of(runtime, settings);
@@ -139,8 +139,8 @@ void register_low_latency(py::module_& m) {
                     int num_topk, int num_sms, std::uintptr_t stream, bool input_failed, std::uintptr_t layout_range,
                     std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
       const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source,
-                                                topk_idx, topk_weights, out, num_tokens, num_topk, num_sms);
+      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source, topk_idx,
+                                                topk_weights, out, num_tokens, num_topk, num_sms);
       args.input_failed = input_failed;
       args.layout_range = pointer<const int64_t>(layout_range);
       args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
