@@ -104,6 +104,7 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
     buffer = make_buffer(group, cfg, config["tokens"], config["ll_tokens"])
     try:
         layer = MoELayer(buffer, cfg, device)
+        layer.warm_up(config["tokens"])  # every GEMM shape loaded before the ranks communicate
         generator = torch.Generator().manual_seed(1000 + rank)
         inputs = {
             "x": make_tokens(config["tokens"], cfg.hidden, generator).to(device),

@@ -209,6 +209,11 @@ class _LLState:
     hook: Any
 
 
+@dataclass
+class _WarmUpHandle:
+    num_recv_tokens_per_expert_list: list[int]
+
+
 def _micro_batches(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """The first ``ceil(T/2)`` rows of every tensor, then the rest (contiguous row slices)."""
     half = (tensors[0].shape[0] + 1) // 2
@@ -250,6 +255,46 @@ class MoELayer(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(x, self.gate_weight, self.cfg, self.num_nodes)
+
+    def warm_up(self, num_tokens: int) -> None:
+        """Run the layer's compute once per shape it can meet, without communication.
+
+        For ranks that share a GPU (MPS), before the first step: the first use of a kernel may wait
+        until every kernel on the GPU has finished, the peers' too, and cuBLAS picks its kernels by
+        GEMM shape and loads each one's module on first use. A rank whose peers already wait for it
+        in a dispatch or combine would stall until their deadline (measured at 4 ranks on one H200:
+        one rank's first expert GEMMs blocked the host for exactly the peers' deadline). This
+        runs the HT experts (forward and backward, every aligned row count up to the most rows an
+        expert can receive when every rank sends ``num_tokens`` tokens, on the caller's stream and
+        on the two-batch overlap's streams) and the LL experts (bf16 and fp8 receive), then drops
+        the gradients.
+        """
+        device = self.w1.device
+        hidden = self.cfg.hidden
+        align = max(1, self.cfg.expert_alignment)
+        max_rows = -(-num_tokens * self.buffer.num_ranks // align) * align
+        zeros = [0] * (self.num_local_experts - 1)
+        # The two-batch overlap's streams too: each stream gets its own cuBLAS workspace.
+        streams = self._side_streams(device) or ()
+        for stream in (None, *streams):
+            with _on_stream(stream):
+                for rows in range(align, max_rows + 1, align):
+                    recv_x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+                    weights = torch.zeros(rows, dtype=torch.float32, device=device, requires_grad=True)
+                    handle = _WarmUpHandle([rows, *zeros])
+                    self._ht_experts(_HTState(recv_x, weights, handle)).float().sum().backward()
+        if streams:
+            torch.cuda.synchronize(device)
+        self.zero_grad(set_to_none=True)
+        if self.buffer.num_max_dispatch_tokens_per_rank > 0:
+            num_rows = self.buffer.num_ranks * self.buffer.num_max_dispatch_tokens_per_rank
+            count = torch.zeros(self.num_local_experts, dtype=torch.int32, device=device)
+            with torch.no_grad():
+                bf16 = torch.zeros(self.num_local_experts, num_rows, hidden, dtype=torch.bfloat16, device=device)
+                self._ll_experts(_LLState(bf16, count, None, None))
+                self._ll_experts(_LLState(per_token_cast_to_fp8(bf16), count, None, None))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def forward(self, x: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
         """bf16 ``[T, H]`` -> bf16 ``[T, H]``."""
@@ -547,6 +592,8 @@ def _check_variant(
     buffer: Any, rank: int, num_ranks: int, group: Any, cfg: MoEConfig, config: CheckConfig, device: torch.device
 ) -> dict[str, Any]:
     layer = MoELayer(buffer, cfg, device)
+    if device.type == "cuda":
+        layer.warm_up(config.num_tokens)
     dense = DenseMoE(cfg, layer.num_nodes, device)
     xs_cpu, grads_cpu = group_tokens(num_ranks, config.num_tokens, cfg.hidden, config.seed)
     xs = [x.to(device) for x in xs_cpu]
@@ -700,6 +747,10 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus = torch.cuda.device_count()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % num_gpus)
         dist.init_process_group("nccl" if world <= num_gpus else "gloo")
+        if world > num_gpus:  # ranks share a GPU: load cuBLAS before any peer waits on this rank
+            from deep_ep.testing import warm_up_cuda_libraries
+
+            warm_up_cuda_libraries()
         try:
             results = check_rank(rank, world, dist.group.WORLD, config)
             gathered: list[Any] = [None] * world

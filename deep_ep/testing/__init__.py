@@ -1,5 +1,6 @@
 """Test and demo support: rank launcher, reference model, input generators."""
 
 from deep_ep.testing.launcher import RankError, launch
+from deep_ep.testing.warm_up import warm_up_cuda_libraries
 
-__all__ = ["RankError", "launch"]
+__all__ = ["RankError", "launch", "warm_up_cuda_libraries"]

@@ -90,6 +90,8 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    from deep_ep.testing.warm_up import warm_up_cuda_libraries
+
     try:
         # Every rank is a process with its own intra-op thread pool: without a share of the cores
         # each, N ranks run N x cores threads and CPU-side work (reference model, input generation)
@@ -111,6 +113,8 @@ def _worker(
         if backend == "nccl":
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
+        if 0 < num_gpus < num_ranks:
+            warm_up_cuda_libraries(device_id)  # before any peer can spin on this rank (warm_up.py)
         try:
             value = fn(rank, num_ranks, dist.group.WORLD, *args)
         finally:
@@ -158,8 +162,9 @@ def launch(
 # kernel (torch's included) may wait for that context to synchronise, i.e. for a peer's kernel that
 # spins until this rank's kernel runs: a deadlock until the peer's wait deadline (measured: the
 # example MoE layer's backward at 4 ranks on one H200). The library loads its own kernels at buffer
-# construction; the launcher makes such ranks load every module eagerly. EP_LAUNCH_MODULE_LOADING
-# (EAGER or LAZY) overrides the choice.
+# construction; the launcher makes such ranks load every module eagerly and calls cuBLAS once
+# before the rank function (warm_up.py: cuBLAS loads its modules on its first call, which eager
+# loading does not move). EP_LAUNCH_MODULE_LOADING (EAGER or LAZY) overrides the choice.
 MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
 MODULE_LOADING_OVERRIDE_ENV = "EP_LAUNCH_MODULE_LOADING"
 

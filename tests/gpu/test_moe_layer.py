@@ -35,11 +35,14 @@ import moe_layer  # noqa: E402  (examples/ is not a package)
 from rank_results import launch_once  # noqa: E402
 
 # A device wait that never ends fails in 30 s naming the peer and phase (CommTimeoutError), and the
-# launch as a whole gets 300 s. Known failure at 4 and 8 ranks on one H200 (2 ranks pass): first a
-# lazy-module-loading deadlock under MPS (fixed: kernels are loaded at buffer construction and the
-# launcher loads modules eagerly); since then, in the first training step, one rank's combine entry
-# barrier (epoch 3) times out seeing a peer's epoch 2 while that peer got past the same barrier. Not
-# diagnosed yet; the launcher's stack dumps (deep_ep/testing/launcher.py) show where each rank is.
+# launch as a whole gets 300 s. Known failure at 4 and 8 ranks on one H200 (2 ranks pass), measured
+# 2026-12-02 with a 10 s deadline: (1) without warm-up, one rank's first expert GEMM call blocked on
+# the host for exactly the peers' deadline (cuBLAS loads a kernel's module on first use, and under
+# MPS that waits for the peers' spinning kernels: docs/testing.md); MoELayer.warm_up and the
+# launcher's warm-up removed every host stall. (2) Still open: with no host call blocking, a device
+# wait on one rank times out right after the first training step (4 ranks) or after the third
+# (8 ranks), and the other ranks' next notify completes the moment it does. The phase and peer of
+# that timeout were not captured; next step: read them from the CommTimeoutError message.
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
 LAUNCH_TIMEOUT_SECS = 300.0
 
