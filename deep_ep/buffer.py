@@ -8,8 +8,10 @@ LowLatencyMixin; this file owns construction, sizing, errors and teardown.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import time
 import warnings
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from deep_ep import _C
 from deep_ep.domains import local_rank_facts
-from deep_ep.errors import CommTimeoutError, PeerInputError, timeout_message
+from deep_ep.errors import CommTimeoutError, PeerInputError, recent_calls_message, timeout_message
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import HighThroughputMixin
@@ -38,6 +40,7 @@ from deep_ep.topology import (
 __all__ = ["ElasticBuffer", "EPHandle"]
 
 _comm_streams: dict[int, torch.cuda.Stream] = {}
+CALL_LOG_LENGTH = 8  # calls a timeout report lists
 _warned_no_mps = False
 _warned_lazy_loading = False
 # Handles record the serial of the buffer that made them (ids of dead objects are reused; serials are not).
@@ -143,6 +146,10 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self._serial = next(_buffer_serials)
         self._destroyed = False
         self._failure: CommTimeoutError | None = None
+        # The last calls (serial, name, monotonic time), for timeout reports: a hang report of every
+        # rank then says which call each one had reached.
+        self._calls: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=CALL_LOG_LENGTH)
+        self._num_calls = 0
         if not torch.cuda.is_available():
             raise RuntimeError("ElasticBuffer needs a CUDA device; none is available")
         self.group = group
@@ -491,17 +498,21 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 seen=self._failure.seen,
             )
 
-    def _check_fatal_errors(self) -> None:
+    def _check_fatal_errors(self, call: str | None = None) -> None:
         """Raise a timeout the kernels recorded (no synchronisation). Every call starts with this
         check and nothing else: a report that is not fatal (a bad routing entry, a peer's failed
         input) is raised only at a synchronisation point, because raising it here would make this
-        rank skip an operation its peers run, and their kernels would wait for it until the timeout."""
+        rank skip an operation its peers run, and their kernels would wait for it until the timeout.
+        ``call`` names the call for the call log (timeout reports list the last ones)."""
+        if call is not None:
+            self._num_calls += 1
+            self._calls.append((self._num_calls, call, time.monotonic()))
         if self._runtime.has_fatal_error():
             self._raise_timeout(self._runtime.error_record())
 
     def _raise_timeout(self, record: dict[str, Any]) -> None:
         self._failure = CommTimeoutError(
-            timeout_message(record, self.num_gpu_timeout_secs),
+            timeout_message(record, self.num_gpu_timeout_secs) + recent_calls_message(self._calls, time.monotonic()),
             rank=record["rank"],
             peer=record["peer"],
             operation=record["operation"],
@@ -562,7 +573,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             )
             self._failure = CommTimeoutError(
                 f"rank {self.rank_idx}: host wait for the dispatch counts {what}; the buffer refuses further work "
-                "until destroy()",
+                "until destroy()" + recent_calls_message(self._calls, time.monotonic()),
                 rank=self.rank_idx,
                 operation="dispatch count exchange",
                 phase="host wait",
@@ -582,7 +593,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         synchronisation point, like check_errors()). ``sequential`` (DeepEP V2: a one-SM barrier
         rather than its two-SM hybrid variant) is accepted; there is one barrier kernel here."""
         self._ensure_usable()
-        self._check_fatal_errors()
+        self._check_fatal_errors("barrier")
         stream = self._comm_stream if use_comm_stream else torch.cuda.current_stream(self.device)
         self._runtime.launch_barrier(stream.cuda_stream)
         if with_cpu_sync:

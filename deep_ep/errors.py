@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class CommTimeoutError(RuntimeError):
     """A peer never arrived at a device (or host) wait before the deadline.
@@ -71,3 +73,13 @@ def timeout_message(record: dict, timeout_secs: float) -> str:
         else:
             message += f"; rank {record['peer']} had completed {progress} barriers by its own count"
     return message + "; the buffer refuses further work until destroy()"
+
+
+def recent_calls_message(calls: Iterable[tuple[int, str, float]], now: float) -> str:
+    """`` Calls this rank issued last (...)``: the buffer's call log (serial, name, monotonic time of
+    the call) as a sentence for a timeout report, or "" when empty. Ranks issue the same calls in the
+    same order, so comparing the serials in the reports of several ranks shows which call each rank
+    had reached (the device wait that timed out belongs to one of them, or to an earlier one still
+    running on the GPU)."""
+    items = [f"#{serial} {name} ({now - issued:.1f} s ago)" for serial, name, issued in calls]
+    return f". Calls this rank issued last: {', '.join(items)}" if items else ""

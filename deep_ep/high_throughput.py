@@ -303,7 +303,7 @@ class HighThroughputMixin:
         this rank took part in the dispatch without data (its peers then see PeerInputError).
         """
         self._ensure_usable()
-        self._check_fatal_errors()
+        self._check_fatal_errors("dispatch" if handle is None else "dispatch (cached)")
         try:
             device = self._torch_device
             data, scales = self._check_dispatch_x(x, device)
@@ -594,7 +594,7 @@ class HighThroughputMixin:
         Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
         """
         self._ensure_usable()
-        self._check_fatal_errors()
+        self._check_fatal_errors("combine")
         try:
             if not isinstance(handle, EPHandle):
                 raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")

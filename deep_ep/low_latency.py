@@ -129,7 +129,7 @@ class _Hook:
         if self._receive is None:
             raise RuntimeError(f"this {self._operation} hook was already called; each hook receives exactly once")
         self._buffer._ensure_usable()
-        self._buffer._check_fatal_errors()
+        self._buffer._check_fatal_errors(f"{self._operation} receive hook")
         receive, self._receive = self._receive, None
         self._buffer._ll_num_pending = self._buffer._ll_num_pending - 1
         receive()
@@ -207,7 +207,7 @@ class LowLatencyMixin:
         callable launching the receive phase with ``return_recv_hook``; otherwise None.
         """
         self._ensure_usable()
-        self._check_fatal_errors()
+        self._check_fatal_errors("low_latency_dispatch")
         self._ll_check_outstanding("low_latency_dispatch")
         try:
             self._ll_check_settings(num_max_dispatch_tokens_per_rank, num_experts)
@@ -329,7 +329,7 @@ class LowLatencyMixin:
         each source rank added.
         """
         self._ensure_usable()
-        self._check_fatal_errors()
+        self._check_fatal_errors("low_latency_combine")
         self._ll_check_outstanding("low_latency_combine")
         handle_usable = False
         try:

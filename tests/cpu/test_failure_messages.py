@@ -3,6 +3,8 @@ error, and what a device report of a bad routing entry says."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from deep_ep import PeerInputError
@@ -79,3 +81,42 @@ def test_a_barrier_timeout_says_whether_the_peer_passed_the_barrier_by_its_own_c
     assert "rank 0 had completed 2 barriers by its own count;" in behind and "passed this one" not in behind
     own_grid = timeout_message(_record(peer=-1, phase="grid synchronisation", peer_progress=-1), 20.0)
     assert "waiting for the other CTAs of its own kernel" in own_grid
+
+
+def test_a_timeout_report_lists_the_last_calls_of_the_rank_oldest_first():
+    from deep_ep.errors import recent_calls_message
+
+    assert recent_calls_message([], 5.0) == ""
+    text = recent_calls_message([(41, "dispatch", 1.0), (42, "combine", 3.5)], 5.0)
+    assert text == ". Calls this rank issued last: #41 dispatch (4.0 s ago), #42 combine (1.5 s ago)"
+
+
+class _FatalRuntime:
+    """The two runtime calls a timeout report makes, with a recorded combine timeout."""
+
+    def has_fatal_error(self):
+        return True
+
+    def error_record(self):
+        return {**_record(), "peer_progress": -1}
+
+
+def test_every_call_is_logged_and_a_timeout_names_the_last_calls():
+    from deep_ep.buffer import CALL_LOG_LENGTH, ElasticBuffer
+    from deep_ep.errors import CommTimeoutError
+
+    buffer = object.__new__(ElasticBuffer)  # no GPU: only the call log and the report are exercised
+    buffer._calls = collections.deque(maxlen=CALL_LOG_LENGTH)
+    buffer._num_calls = 0
+    buffer.num_gpu_timeout_secs = 20.0
+    buffer._runtime = type("Quiet", (), {"has_fatal_error": lambda self: False})()
+    for index in range(CALL_LOG_LENGTH + 2):
+        buffer._check_fatal_errors("dispatch" if index % 2 == 0 else "combine")
+    assert [serial for serial, _, _ in buffer._calls] == list(range(3, CALL_LOG_LENGTH + 3))
+    buffer._runtime = _FatalRuntime()
+    with pytest.raises(CommTimeoutError) as raised:
+        buffer._check_fatal_errors("low_latency_dispatch")
+    message = str(raised.value)
+    assert message.startswith("rank 1: combine timed out after 20 s")
+    assert f"#{CALL_LOG_LENGTH + 3} low_latency_dispatch (" in message and "#3 dispatch (" not in message
+    assert "#4 combine (" in message
