@@ -118,7 +118,7 @@ class _FakeHighThroughputBuffer(HighThroughputMixin):
     def _ensure_usable(self) -> None:
         pass
 
-    def _check_fatal_errors(self) -> None:
+    def _check_fatal_errors(self, call: str | None = None) -> None:
         pass
 
 

@@ -39,7 +39,7 @@ class FakeBuffer(LowLatencyMixin):
     def _ensure_usable(self) -> None:
         pass
 
-    def _check_fatal_errors(self) -> None:
+    def _check_fatal_errors(self, call: str | None = None) -> None:
         pass
 
     def _ll_device(self) -> torch.device:

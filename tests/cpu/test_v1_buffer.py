@@ -506,7 +506,7 @@ class _RecordingCore(SimpleNamespace):
     def _ensure_usable(self) -> None:
         pass
 
-    def _check_fatal_errors(self) -> None:
+    def _check_fatal_errors(self, call: str | None = None) -> None:
         pass
 
     def _dispatch_without_input(self, handle, num_experts, error) -> None:
@@ -735,7 +735,7 @@ class _RecordingLowLatencyCore(SimpleNamespace):
     def _ensure_usable(self) -> None:
         pass
 
-    def _check_fatal_errors(self) -> None:
+    def _check_fatal_errors(self, call: str | None = None) -> None:
         pass
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, **kwargs):
