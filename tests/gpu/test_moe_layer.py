@@ -42,7 +42,11 @@ from rank_results import launch_once  # noqa: E402
 # launcher's warm-up removed every host stall. (2) Still open: with no host call blocking, a device
 # wait on one rank times out right after the first training step (4 ranks) or after the third
 # (8 ranks), and the other ranks' next notify completes the moment it does. The phase and peer of
-# that timeout were not captured; next step: read them from the CommTimeoutError message.
+# that timeout were not captured; next step: read them from the CommTimeoutError message (it now
+# lists each rank's last calls). Hypothesis to test: a cuBLAS GEMM whose CTAs wait for each other
+# (split-K / stream-K fix-up) runs partially resident while the peers' communication kernels hold
+# SMs, and completes only once those time out; a run with CUBLAS_WORKSPACE_CONFIG=:0:0 and
+# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no such algorithms) would pass if so.
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
 LAUNCH_TIMEOUT_SECS = 300.0
 
