@@ -7,13 +7,18 @@
 #        EP_GPU_CHECK_BENCH (1 = run benchmarks, default 1), EP_GPU_CHECK_BENCH_RANKS (default 8),
 #        EP_GPU_CHECK_BENCH_ARGS / EP_GPU_CHECK_LL_ARGS (extra arguments for bench_ht.py /
 #        bench_ll.py, e.g. "--tokens 4096,8192 --baseline --num-sms 0,8,16,24,32,64"),
-#        EP_GPU_CHECK_TIMEOUT (seconds per pytest run, default 900), PYTHON (default python3).
+#        EP_GPU_CHECK_TIMEOUT (seconds per pytest run, default 900), PYTHON (default python3),
+#        EP_GPU_CHECK_PLAN (instead of every test at every rank count: steps "RANKS:TESTS:SECONDS"
+#        separated by spaces, TESTS comma-separated, run in the order given, e.g.
+#        "4:tests/gpu/test_low_latency.py,tests/gpu/test_faults.py:240 8:tests/gpu/test_moe_layer.py:150";
+#        put a suite that may hang last), EP_GPU_CHECK_BUDGET (seconds: a step that would start after
+#        this much time since the start is skipped and reported, so that the logs still come back).
 # EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
 # The device tool brings back at most 8 files: when $OUT holds more, the logs are packed into
 # $OUT/logs.tar.gz (JSON and plots stay as they are).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -53,23 +58,50 @@ bash scripts/mps.sh start || summary+=("mps: not started (ranks sharing a GPU wi
 trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
 
 status=0
-[[ $RANKS == none ]] && RANKS=""
-for n in ${RANKS//,/ }; do
+skipped=0
+BUDGET=${EP_GPU_CHECK_BUDGET:-0}
+# One pytest run: rank count, test paths (space-separated), timeout, log name.
+run_tests() {
+  local n=$1 tests=$2 limit=$3 log=$4 t0 rc line
+  if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+    summary+=("tests ${n} ranks ($tests): skipped, the $BUDGET s budget is spent")
+    skipped=$(( skipped + 1 ))
+    return
+  fi
   t0=$(date +%s)
-  EP_TEST_RANKS=$n timeout "$PER_RUN_TIMEOUT" $PY -m pytest $TESTS -q -rs -s -p no:cacheprovider --durations=12 \
-    > "$OUT/pytest_${n}ranks.log" 2>&1
+  # shellcheck disable=SC2086 # the test paths are meant to split
+  EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -q -rs -s -p no:cacheprovider --durations=12 \
+    > "$OUT/$log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
-  line=$(grep -E "(passed|failed|error|skipped)" "$OUT/pytest_${n}ranks.log" | tail -1)
-  summary+=("tests ${n} ranks: rc=$rc $(( $(date +%s) - t0 )) s :: ${line}")
+  line=$(grep -E "(passed|failed|error|skipped)" "$OUT/$log" | tail -1)
+  summary+=("tests ${n} ranks ($tests): rc=$rc $(( $(date +%s) - t0 )) s :: ${line}")
   if [[ $rc -ne 0 ]]; then
-    grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest_${n}ranks.log" | head -15
+    grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/$log" | head -15
   fi
-done
+}
+if [[ -n ${EP_GPU_CHECK_PLAN:-} ]]; then
+  step=0
+  for entry in $EP_GPU_CHECK_PLAN; do
+    IFS=: read -r n tests limit <<< "$entry"
+    step=$(( step + 1 ))
+    run_tests "$n" "${tests//,/ }" "${limit:-$PER_RUN_TIMEOUT}" "pytest_step${step}_${n}ranks.log"
+  done
+else
+  [[ $RANKS == none ]] && RANKS=""
+  for n in ${RANKS//,/ }; do
+    run_tests "$n" "$TESTS" "$PER_RUN_TIMEOUT" "pytest_${n}ranks.log"
+  done
+fi
 
 if [[ $BENCH == 1 ]]; then
   for bench in bench_ht bench_ll; do
     [[ -f benchmarks/$bench.py ]] || continue
+    if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+      summary+=("$bench: skipped, the $BUDGET s budget is spent")
+      skipped=$(( skipped + 1 ))
+      continue
+    fi
     t0=$(date +%s)
     extra=$BENCH_ARGS
     [[ $bench == bench_ll ]] && extra=$LL_ARGS
@@ -95,5 +127,8 @@ fi
 
 echo "===================== gpu_check summary ====================="
 printf '%s\n' "${summary[@]}"
-echo "total: $(( $(date +%s) - start )) s; status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+verdict=$([[ $status == 0 ]] && echo PASS || echo FAIL)
+# Exit 3: what ran passed, but the budget left steps out.
+[[ $status == 0 && $skipped -gt 0 ]] && verdict="INCOMPLETE ($skipped steps skipped)" && status=3
+echo "total: $(( $(date +%s) - start )) s; status: $verdict"
 exit $status
