@@ -8,7 +8,8 @@
 //   sender warps     channel c = a contiguous range of whole notify blocks of own tokens. Per batch
 //                    (one token per sender warp): home-node copies; for remote nodes, stage the
 //                    scale-out row once (dispatch slot + K destination slots) and put it to the
-//                    rail peer's row [my node][node_slot]; then one signal per node (rows added).
+//                    rail peer's row [my node][node_slot] (lsa: store it there directly, no
+//                    staging); then one signal per node (rows added).
 //                    Rows of a channel are put in ordinal order and each signal covers the puts
 //                    before it, so "signal >= r + 1" means rows [0, r] of the stream landed.
 //   forwarder warps  stream (source node m, channel c): wait for row r's signal, then copy the
@@ -38,6 +39,39 @@ constexpr int kCopyUnroll = 4;
 
 __device__ __forceinline__ int rows_signal(int source_node, int channel) {
   return kSignalRows + source_node * kMaxChannels + channel;
+}
+
+// lsa transport: token t's scale-out row goes straight into each remote node's rail peer (its
+// receive row [my node][ordinal]): the same bytes a put of the staged row delivers, without writing
+// and re-reading a staging row. Lane m (of each group of 32 nodes) owns node m's row. The batch's
+// signal covers these stores as it covers lsa puts, which are plain stores through the peer table
+// too: the group barrier, then the signalling thread's system-scope fence and release add.
+__device__ __forceinline__ void store_scaleout_rows(const DispatchArgs& args, int t, int expert, int32_t slot,
+                                                    int32_t expert_slot, float weight, int* batch_rows) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const int lane = lane_id();
+  const int num_nodes = call.num_nodes();
+  const int node = call.node_of(view.rank);
+  const auto* x = static_cast<const uint8_t*>(args.x);
+  for (int base = 0; base < num_nodes; base += 32) {
+    const int m = base + lane;
+    const int32_t ordinal = (m < num_nodes && m != node) ? args.hybrid.node_slot[int64_t{t} * num_nodes + m] : -1;
+    uint8_t* row =
+        ordinal >= 0 ? view.peer<uint8_t>(call.rail_peer(view.rank, m), call.scaleout_recv_slot(node, ordinal)) : nullptr;
+    const uint32_t dst_lanes = __ballot_sync(kFullMask, ordinal >= 0);
+    if (dst_lanes == 0) continue;
+    store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, args.topk_weights != nullptr, t, expert, expert_slot,
+                                     weight, dst_lanes, row);
+    for (uint32_t lanes = dst_lanes; lanes != 0; lanes &= lanes - 1) {
+      const int owner = __ffs(lanes) - 1;
+      auto* dst = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), owner));
+      if (lane < call.num_topk) {
+        reinterpret_cast<int32_t*>(dst + call.scaleout_dst_slot_offset())[lane] = expert >= 0 ? slot : -1;
+      }
+    }
+    if (ordinal >= 0) atomicAdd(&batch_rows[m], 1);
+  }
 }
 
 __device__ void send(const DispatchArgs& args, scaleout::DeferredQueue* queue, int* batch_rows) {
@@ -84,8 +118,12 @@ __device__ void send(const DispatchArgs& args, scaleout::DeferredQueue* queue, i
                                            home_lanes, my_slot);
         }
         const bool remote = expert >= 0 && call.node_of(expert_rank) != node;
-        if (__ballot_sync(kFullMask, remote) != 0) {
-          // Stage the scale-out row once: the dispatch slot, then the K destination slots.
+        const bool any_remote = __ballot_sync(kFullMask, remote) != 0;
+        if (any_remote && view.scaleout.kind == ScaleoutKind::kLsa) {
+          store_scaleout_rows(args, t, expert, slot, expert_slot, weight, batch_rows);
+        } else if (any_remote) {
+          // Stage the scale-out row once (a put's source must be in the window): the dispatch
+          // slot, then the K destination slots.
           uint8_t* staging = view.local<uint8_t>(call.scaleout_send_slot(t));
           store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, has_weights, t, expert, expert_slot, weight, 1u,
                                            lane == 0 ? staging : nullptr);
