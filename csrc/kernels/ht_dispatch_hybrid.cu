@@ -57,8 +57,9 @@ __device__ __forceinline__ void store_scaleout_rows(const DispatchArgs& args, in
   for (int base = 0; base < num_nodes; base += 32) {
     const int m = base + lane;
     const int32_t ordinal = (m < num_nodes && m != node) ? args.hybrid.node_slot[int64_t{t} * num_nodes + m] : -1;
-    uint8_t* row =
-        ordinal >= 0 ? view.peer<uint8_t>(call.rail_peer(view.rank, m), call.scaleout_recv_slot(node, ordinal)) : nullptr;
+    uint8_t* row = ordinal >= 0
+                       ? view.peer<uint8_t>(call.rail_peer(view.rank, m), call.scaleout_recv_slot(node, ordinal))
+                       : nullptr;
     const uint32_t dst_lanes = __ballot_sync(kFullMask, ordinal >= 0);
     if (dst_lanes == 0) continue;
     store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, args.topk_weights != nullptr, t, expert, expert_slot,
