@@ -4,7 +4,8 @@
 // Hybrid: the row goes over load/store to the token's forwarder on this node (the home rank's rail
 // peer here), row [j][home node][token] with j counted among the token's ranks on this node; after
 // a node barrier each forwarder sums its node's rows per token (ascending rank, fp32, one bf16
-// rounding) and puts the partial to the home rank (scale-out transport), which waits for them
+// rounding) and puts the partial to the home rank (scale-out transport; lsa: stores the sum there
+// directly), which waits for them
 // before the reduce kernel adds biases and node partials in ascending node order.
 //
 // Expand mode sends one row per token: the fp32 sum of its expanded rows in ascending row order
@@ -182,6 +183,12 @@ __device__ bool forward_partials(const CombineArgs& args, scaleout::DeferredQueu
         const int node_index = distinct_ranks_in(expert_node, node_lanes, 0, node);
         if (m == node) {
           sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_slot(node_index, token)));
+        } else if (view.scaleout.kind == ScaleoutKind::kLsa) {
+          // lsa, whose puts are plain stores anyway: sum straight into the home rank's partial row
+          // (no staging write and re-read). The batch's signal covers these stores as it covers a put.
+          sum_node_rows(view, call, m, token, expert,
+                        view.peer<uint8_t>(call.rail_peer(view.rank, m), call.partial_slot(node_index, token)));
+          if (lane == 0) atomicAdd(&batch_rows[m], 1);
         } else {
           sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_send_slot(m, token)));
           __syncwarp();
