@@ -34,6 +34,9 @@ void register_build_info(py::module_& m) {
   m.def(
       "nccl_library_path", [] { return std::string(EP_NCCL_LIBRARY_PATH); },
       "Path of the libnccl.so.2 the extension was linked against.");
+  m.def(
+      "cuda_archs", [] { return std::string(EP_CUDA_ARCHS_CSV); },
+      "The CUDA architectures the kernels were compiled for (SASS only), comma-separated, e.g. \"90\".");
 }
 
 }  // namespace deep_ep
