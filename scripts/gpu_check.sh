@@ -46,6 +46,10 @@ if ! MAX_JOBS=$(nproc) $PY -m pip install --no-build-isolation --no-deps -e . > 
 fi
 build_s=$(( $(date +%s) - start ))
 summary+=("build: ${build_s} s")
+# The pre-flight check of this machine (versions, kernel architectures, peer access); its findings
+# lead the summary.
+$PY -m deep_ep.doctor > "$OUT/doctor.txt" 2>&1
+summary+=("doctor: rc=$? $(grep -c '^\[error\]' "$OUT/doctor.txt") errors, $(grep -c '^\[warning\]' "$OUT/doctor.txt") warnings (doctor.txt)")
 
 num_gpus=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ $num_gpus -ge 2 ]]; then
