@@ -1,8 +1,8 @@
 """Pre-flight check before building buffers: what decides whether they can be built, how they will run,
 and what would fail (or hang) later, with the fix.
 
-    python -m deep_ep.doctor [--ranks-per-gpu N] [--json]         # this machine
-    torchrun --nproc-per-node 8 [--nnodes ...] -m deep_ep.doctor  # every rank of the group
+    python -m deep_ep.doctor [--ranks-per-gpu N] [--json]                  # this machine
+    torchrun --nproc-per-node 8 [--nnodes ...] -m deep_ep.doctor [--smoke]  # every rank of the group
 
 One machine: the versions (deep_ep, torch, NCCL loaded and compiled against, the kernels' GPU
 architectures), the GPUs and their peer access, MPS and module loading for ranks sharing a GPU.
@@ -10,7 +10,10 @@ Under torchrun (``RANK`` / ``WORLD_SIZE`` set) every rank checks itself, then ra
 ranks (versions must agree: a rank on another build reads the window at other offsets) and prints
 the topology a buffer on that group would use: hosts, ranks per GPU, backend, HT mode (direct or
 hybrid), scale-out transport and the SM cap. The process group is gloo (objects only), so ranks
-sharing a GPU can run it too. Exit status 1 when any rank has an error finding.
+sharing a GPU can run it too. ``--smoke`` then builds a buffer on the group and runs the demo's
+round trips (HT, and LL when the ranks are on one host), each output compared bitwise with the
+reference model, with a 20 s device deadline (``--timeout``): a hang becomes a CommTimeoutError that
+names the missing peer. Exit status 1 when any rank has an error finding.
 
 An NCCL mismatch stops ``import deep_ep`` itself (with the fix in the message), before this runs.
 """
@@ -274,16 +277,46 @@ def _group_main(args: argparse.Namespace) -> int:
         local = check_local(report, ranks_per_gpu)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, [asdict(finding) for finding in local])
+        per_rank = [[Finding(**item) for item in items] for items in gathered]
+        findings = check_group(reports, allow_hybrid_mode=not args.no_hybrid) + merge_rank_findings(per_rank)
+        if args.smoke and not any(finding.level == "error" for finding in findings):
+            spans_hosts = len({other["host"] for other in reports}) > 1
+            outcome = smoke_test(rank, world, dist.group.WORLD, low_latency=not spans_hosts, timeout=args.timeout)
+            outcomes: list[Any] = [None] * world
+            dist.all_gather_object(outcomes, asdict(outcome))
+            findings += merge_rank_findings([[Finding(**item)] for item in outcomes])
     finally:
         dist.destroy_process_group()
-    per_rank = [[Finding(**item) for item in items] for items in gathered]
-    findings = check_group(reports, allow_hybrid_mode=not args.no_hybrid) + merge_rank_findings(per_rank)
     if rank == 0:
         if args.json:
             print(json.dumps({"reports": reports, "findings": [asdict(finding) for finding in findings]}))
         else:
             print(format_report(reports[0], findings))
     return 1 if any(finding.level == "error" for finding in findings) else 0
+
+
+def smoke_test(rank: int, num_ranks: int, group: Any, *, low_latency: bool, timeout: float) -> Finding:
+    """This rank's outcome of the demo's checked round trips (deep_ep.demo.round_trip) on ``group``:
+    one HT dispatch -> identity expert -> combine, and with ``low_latency`` one LL dispatch -> combine,
+    every output compared bitwise with the reference model; device waits end after ``timeout`` s."""
+    from deep_ep.demo import demo_num_experts, round_trip
+
+    try:
+        result = round_trip(
+            rank,
+            num_ranks,
+            group,
+            demo_num_experts(num_ranks),
+            seed=0,
+            low_latency=low_latency,
+            num_gpu_timeout_secs=timeout,
+        )
+    except Exception as error:  # noqa: BLE001 - every failure is a finding, named by its type
+        return Finding("error", f"round trip failed: {type(error).__name__}: {error}")
+    failed = [name for name, passed in result["passed"].items() if not passed]
+    if failed:
+        return Finding("error", f"round trip differs from the reference model in {', '.join(failed)}")
+    return Finding("info", "round trip equals the reference model (" + ", ".join(result["passed"]) + ")")
 
 
 def merge_rank_findings(per_rank: list[list[Finding]]) -> list[Finding]:
@@ -302,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks-per-gpu", type=int, default=1, help="ranks that will share each GPU (one machine)")
     parser.add_argument("--no-hybrid", action="store_true", help="check as allow_hybrid_mode=False (torchrun)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="torchrun: when no check fails, build a buffer on the group and run the demo's checked round trips "
+        "(HT, and LL on one host)",
+    )
+    parser.add_argument("--timeout", type=float, default=20.0, help="--smoke: device wait deadline in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     args = parser.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

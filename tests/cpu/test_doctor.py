@@ -146,3 +146,37 @@ def test_the_cli_reports_this_machine_and_fails_without_a_gpu(capsys, monkeypatc
         assert status == (1 if any(f["level"] == "error" for f in output["findings"]) else 0)
     else:
         assert status == 1 and output["findings"][0]["level"] == "error"
+
+
+def test_the_smoke_test_reports_a_pass_a_mismatch_and_a_failure(monkeypatch):
+    import deep_ep.demo
+    from deep_ep.doctor import smoke_test
+    from deep_ep.errors import CommTimeoutError
+
+    calls = []
+
+    def passing(rank, num_ranks, group, num_experts, seed, *, low_latency, num_gpu_timeout_secs):
+        calls.append((rank, num_ranks, num_experts, low_latency, num_gpu_timeout_secs))
+        return {"rank": rank, "passed": {"ht_dispatch": True, "ht_combine": True}, "elapsed_ms": {}}
+
+    monkeypatch.setattr(deep_ep.demo, "round_trip", passing)
+    assert smoke_test(1, 3, None, low_latency=False, timeout=20.0) == Finding(
+        "info", "round trip equals the reference model (ht_dispatch, ht_combine)"
+    )
+    assert calls == [(1, 3, 258, False, 20.0)]  # 256 experts rounded up to a multiple of 3 ranks
+
+    def mismatching(*args, **kwargs):
+        return {"rank": 0, "passed": {"ht_dispatch": True, "ll_combine": False}, "elapsed_ms": {}}
+
+    monkeypatch.setattr(deep_ep.demo, "round_trip", mismatching)
+    assert smoke_test(0, 2, None, low_latency=True, timeout=5.0) == Finding(
+        "error", "round trip differs from the reference model in ll_combine"
+    )
+
+    def hanging(*args, **kwargs):
+        raise CommTimeoutError("rank 0: dispatch timed out after 5 s in phase 'barrier arrival' waiting for rank 1")
+
+    monkeypatch.setattr(deep_ep.demo, "round_trip", hanging)
+    finding = smoke_test(0, 2, None, low_latency=True, timeout=5.0)
+    assert finding.level == "error"
+    assert finding.message.startswith("round trip failed: CommTimeoutError: rank 0: dispatch timed out")
