@@ -3,6 +3,9 @@
     torchrun --nproc-per-node 4 examples/moe_layer.py     # one process per rank (torchrun)
     python examples/moe_layer.py --num-ranks 4            # ranks spawned by deep_ep.testing.launch
 
+More ranks than GPUs (ranks sharing a GPU) need NVIDIA MPS running and, under torchrun,
+``CUDA_MODULE_LOADING=EAGER`` in the environment (the launcher sets it itself); docs/testing.md.
+
 Either runs, on every rank, one training step (forward + backward) of ``MoELayer``, its two-batch
 overlap and its decode path, computes the same on ``DenseMoE`` (every expert of the group in one
 process), prints the differences and exits with status 1 when a check fails. ``check_rank`` is the
