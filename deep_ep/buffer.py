@@ -507,12 +507,15 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         if call is not None:
             self._num_calls += 1
             self._calls.append((self._num_calls, call, time.monotonic()))
+            self._runtime.set_call_serial(self._num_calls)  # the kernels of this call carry it
         if self._runtime.has_fatal_error():
             self._raise_timeout(self._runtime.error_record())
 
     def _raise_timeout(self, record: dict[str, Any]) -> None:
+        names = {serial: name for serial, name, _ in self._calls}
         self._failure = CommTimeoutError(
-            timeout_message(record, self.num_gpu_timeout_secs) + recent_calls_message(self._calls, time.monotonic()),
+            timeout_message(record, self.num_gpu_timeout_secs, names)
+            + recent_calls_message(self._calls, time.monotonic()),
             rank=record["rank"],
             peer=record["peer"],
             operation=record["operation"],
@@ -520,6 +523,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             expected=record["expected"],
             seen=record["seen"],
             peer_progress=record.get("peer_progress", -1),
+            call_serial=record.get("call_serial", 0),
         )
         raise self._failure
 

@@ -22,6 +22,7 @@ class CommTimeoutError(RuntimeError):
         expected: int = 0,
         seen: int = 0,
         peer_progress: int = -1,
+        call_serial: int = 0,
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -32,6 +33,8 @@ class CommTimeoutError(RuntimeError):
         self.seen = seen
         # Barrier timeouts: the barriers the peer completed by its own count (-1: not known).
         self.peer_progress = peer_progress
+        # The serial of the buffer call whose kernel timed out (0: not known); the message names it.
+        self.call_serial = call_serial
 
 
 class BufferTooSmallError(ValueError):
@@ -56,11 +59,18 @@ class PeerInputError(ValueError):
         self.operation = operation
 
 
-def timeout_message(record: dict, timeout_secs: float) -> str:
-    """The CommTimeoutError text for a device error record (``Runtime.error_record()``)."""
+def timeout_message(record: dict, timeout_secs: float, call_names: dict[int, str] | None = None) -> str:
+    """The CommTimeoutError text for a device error record (``Runtime.error_record()``).
+    ``call_names``: the buffer's call log (serial -> name), to name the call the waiting kernel
+    belongs to (``record["call_serial"]``, 0 when unknown)."""
     waited_for = f"rank {record['peer']}" if record["peer"] >= 0 else "the other CTAs of its own kernel"
+    serial = record.get("call_serial", 0)
+    call = ""
+    if serial > 0:
+        name = (call_names or {}).get(serial)
+        call = f" (call #{serial}{', ' + name if name else ''})"
     message = (
-        f"rank {record['rank']}: {record['operation']} timed out after {timeout_secs:g} s in phase "
+        f"rank {record['rank']}: {record['operation']}{call} timed out after {timeout_secs:g} s in phase "
         f"'{record['phase']}' waiting for {waited_for} (expected {record['expected']}, saw {record['seen']})"
     )
     progress = record.get("peer_progress", -1)

@@ -32,6 +32,7 @@ struct DeviceView {
   int32_t num_ranks = 1;
   int32_t num_scaleup_ranks = 1;
   int32_t max_num_sms = 1;               // the rank's CTA cap (RuntimeConfig::max_num_sms); launchers check it
+  int32_t call_serial = 0;               // the host's serial of the call launching with this view (error reports)
   uint8_t* const* peer_bases = nullptr;  // device array [num_ranks]: window base of rank p as this GPU sees it
   ErrorRecord* error = nullptr;          // host-mapped, device pointer
   uint64_t timeout_ns = 0;               // deadline of every device spin-wait

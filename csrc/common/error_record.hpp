@@ -48,14 +48,14 @@ enum class InvalidExpertKind : int32_t {
 // Each part is written once (the first writer wins through its status word), read by the host.
 struct ErrorRecord {
   // Timeout (fatal).
-  int32_t status;     // ErrorStatus; -1 while being written
-  int32_t operation;  // Operation
-  int32_t phase;      // Phase
-  int32_t rank;       // the rank that observed the failure
-  int32_t peer;       // the rank it waited for (-1: a CTA of this rank's own grid)
-  int32_t reserved;
-  int64_t expected;  // value waited for
-  int64_t seen;      // last value seen
+  int32_t status;       // ErrorStatus; -1 while being written
+  int32_t operation;    // Operation
+  int32_t phase;        // Phase
+  int32_t rank;         // the rank that observed the failure
+  int32_t peer;         // the rank it waited for (-1: a CTA of this rank's own grid)
+  int32_t call_serial;  // DeviceView::call_serial of the waiting kernel: the host call it belongs to (0: unknown)
+  int64_t expected;     // value waited for
+  int64_t seen;         // last value seen
   // Invalid routing entry (not fatal): an expert id outside [-1, num_experts), or a repeat.
   int32_t invalid_status;     // 1 once recorded; -1 while being written; the host clears it
   int32_t invalid_operation;  // Operation

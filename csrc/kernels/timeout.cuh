@@ -21,6 +21,7 @@ __device__ __forceinline__ void record_error(const DeviceView& view, ErrorStatus
     record->phase = static_cast<int32_t>(phase);
     record->rank = view.rank;
     record->peer = peer;
+    record->call_serial = view.call_serial;
     record->expected = expected;
     record->seen = seen;
     record->peer_progress = peer_progress;

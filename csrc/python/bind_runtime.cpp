@@ -75,6 +75,7 @@ void register_runtime(py::module_& m) {
              d["phase"] = std::string(phase_name(record.phase));
              d["rank"] = record.rank;
              d["peer"] = record.peer;
+             d["call_serial"] = record.call_serial;
              d["expected"] = record.expected;
              d["seen"] = record.seen;
              d["peer_progress"] = record.peer_progress;
@@ -99,6 +100,7 @@ void register_runtime(py::module_& m) {
            })
       .def("has_fatal_error", [](const Runtime& self) { return self.error_record().status != 0; })
       .def("clear_invalid_input", &Runtime::clear_invalid_input)
+      .def("set_call_serial", &Runtime::set_call_serial, py::arg("serial"))
       .def("clear_peer_failed", &Runtime::clear_peer_failed)
       .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))
       .def("read_mapped_counters", &Runtime::read_mapped_counters, py::arg("begin"), py::arg("count"))

@@ -201,7 +201,7 @@ ErrorRecord Runtime::error_record() const {
   copy.phase = record->phase;
   copy.rank = record->rank;
   copy.peer = record->peer;
-  copy.reserved = 0;
+  copy.call_serial = record->call_serial;
   copy.expected = record->expected;
   copy.seen = record->seen;
   copy.invalid_operation = record->invalid_operation;

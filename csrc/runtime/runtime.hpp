@@ -69,6 +69,9 @@ class Runtime {
   const WindowLayout& window() const { return config_.window; }
   // Requires connected(); throws std::logic_error otherwise (or after destroy()).
   const DeviceView& device_view() const;
+  // The serial of the host call whose kernels launch next: every launch's view carries it, and a
+  // timeout records it, so the report names the call (Python's call log maps it to a name).
+  void set_call_serial(int32_t serial) { view_.call_serial = serial; }
 
   // Window base of this rank / of `rank`, as device addresses valid in this process (nullptr for a
   // rank outside this rank's load/store team: another host, gin transport).

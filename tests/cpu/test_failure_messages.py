@@ -83,6 +83,16 @@ def test_a_barrier_timeout_says_whether_the_peer_passed_the_barrier_by_its_own_c
     assert "waiting for the other CTAs of its own kernel" in own_grid
 
 
+def test_a_timeout_names_the_call_its_kernel_belonged_to():
+    from deep_ep.errors import timeout_message
+
+    record = _record(peer_progress=-1, call_serial=7)
+    assert timeout_message(record, 20.0).startswith("rank 1: combine (call #7) timed out")
+    named = timeout_message(record, 20.0, {6: "dispatch", 7: "combine"})
+    assert named.startswith("rank 1: combine (call #7, combine) timed out")
+    assert timeout_message(_record(call_serial=0), 20.0).startswith("rank 1: combine timed out")
+
+
 def test_a_timeout_report_lists_the_last_calls_of_the_rank_oldest_first():
     from deep_ep.errors import recent_calls_message
 
@@ -91,14 +101,26 @@ def test_a_timeout_report_lists_the_last_calls_of_the_rank_oldest_first():
     assert text == ". Calls this rank issued last: #41 dispatch (4.0 s ago), #42 combine (1.5 s ago)"
 
 
-class _FatalRuntime:
-    """The two runtime calls a timeout report makes, with a recorded combine timeout."""
+class _QuietRuntime:
+    """The runtime calls of the per-call check, with nothing recorded; keeps the serial it is given."""
+
+    serial = 0
+
+    def set_call_serial(self, serial):
+        self.serial = serial
+
+    def has_fatal_error(self):
+        return False
+
+
+class _FatalRuntime(_QuietRuntime):
+    """A combine timeout recorded by a kernel of call #4."""
 
     def has_fatal_error(self):
         return True
 
     def error_record(self):
-        return {**_record(), "peer_progress": -1}
+        return {**_record(), "peer_progress": -1, "call_serial": 4}
 
 
 def test_every_call_is_logged_and_a_timeout_names_the_last_calls():
@@ -109,14 +131,17 @@ def test_every_call_is_logged_and_a_timeout_names_the_last_calls():
     buffer._calls = collections.deque(maxlen=CALL_LOG_LENGTH)
     buffer._num_calls = 0
     buffer.num_gpu_timeout_secs = 20.0
-    buffer._runtime = type("Quiet", (), {"has_fatal_error": lambda self: False})()
+    buffer._runtime = _QuietRuntime()
     for index in range(CALL_LOG_LENGTH + 2):
         buffer._check_fatal_errors("dispatch" if index % 2 == 0 else "combine")
+        assert buffer._runtime.serial == index + 1  # the kernels of call n carry serial n
     assert [serial for serial, _, _ in buffer._calls] == list(range(3, CALL_LOG_LENGTH + 3))
     buffer._runtime = _FatalRuntime()
     with pytest.raises(CommTimeoutError) as raised:
         buffer._check_fatal_errors("low_latency_dispatch")
     message = str(raised.value)
-    assert message.startswith("rank 1: combine timed out after 20 s")
+    # The kernel that timed out belonged to call #4, a combine still in the log.
+    assert message.startswith("rank 1: combine (call #4, combine) timed out after 20 s")
+    assert raised.value.call_serial == 4
     assert f"#{CALL_LOG_LENGTH + 3} low_latency_dispatch (" in message and "#3 dispatch (" not in message
     assert "#4 combine (" in message
