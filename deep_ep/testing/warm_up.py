@@ -7,9 +7,10 @@ until this rank sends therefore blocks this rank's first matmul until the peer's
 (measured, 2026-12-02, one H200, 4 ranks: the example MoE layer's first expert GEMMs stalled one
 rank for exactly the 10 s deadline, after the other ranks' combine kernels had started). The
 library loads its own kernels when a buffer is built and the launcher sets CUDA_MODULE_LOADING=EAGER,
-but cuBLAS / cuBLASLt load their modules on their first call. ``warm_up_cuda_libraries`` makes
-that first call, with every GEMM form the tests and the example use (2-D and batched, both
-transposes as backward needs them, bf16 / fp16 / fp32), before any communication.
+but cuBLAS / cuBLASLt load a kernel's module when a call first needs it, and they pick kernels by
+shape. ``warm_up_cuda_libraries`` makes the first call of every common GEMM form (2-D and batched,
+both transposes as backward needs them, bf16 / fp16 / fp32) before any communication; code that
+meets many shapes warms those itself (the example's ``MoELayer.warm_up``).
 """
 
 from __future__ import annotations
