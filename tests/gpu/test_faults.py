@@ -346,6 +346,7 @@ def _skip_cached_dispatch(rank, num_ranks, group):
         )
         error = buffer._failure
         results["peer"], results["phase"] = (error.peer, error.phase) if error is not None else (None, None)
+        results["call_serial"] = error.call_serial if error is not None else None
         results["refused_after"] = _outcome(lambda: buffer.dispatch(x, topk_weights=weights, handle=handle))[0]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -375,6 +376,9 @@ def test_a_rank_that_skips_an_operation_is_named_by_every_peer(num_ranks):
         assert kind == "CommTimeoutError" and f"rank {skipper}" in message, (rank, result)
         assert seconds < TIMEOUT + SLACK, (rank, result)
         assert result["peer"] == skipper and result["phase"] == "barrier arrival", (rank, result)
+        # The buffer's calls were the dispatch (#1) and the cached dispatch (#2) whose kernel waited.
+        assert result["call_serial"] == 2 and "(call #2, dispatch (cached))" in message, (rank, result)
+        assert "Calls this rank issued last: #1 dispatch (" in message, (rank, result)
         assert result["refused_after"] == "CommTimeoutError", (rank, result)
         assert result["destroy"][0] is None and result["destroy"][2] < SLACK, (rank, result)
         assert result["destroy_warned"], (rank, result)
