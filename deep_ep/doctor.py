@@ -50,12 +50,46 @@ MIN_NCCL_VERSION_CODE = 22800  # NCCL 2.28: the device API (LSA pointers, GIN) t
 ENV_PREFIXES = ("EP_", "NCCL_", "CUDA_", "NVSHMEM_", "TORCH_SYMM_MEM", "PYTORCH_CUDA_ALLOC_CONF")
 # Values that must agree across the ranks of a group.
 AGREEING_FIELDS = ("deep_ep", "torch", "nccl_loaded", "cuda_archs")
+RDMA_SYSFS = "/sys/class/infiniband"  # one directory per RDMA device (InfiniBand or RoCE)
+# NCCL settings that take away what GIN (the scale-out transport between hosts) needs: (name, value, why).
+GIN_BLOCKERS = (
+    ("NCCL_GIN_ENABLE", "0", "disables GPU-initiated networking"),
+    ("NCCL_IB_DISABLE", "1", "disables NCCL's IB transport, which GIN runs over"),
+    ("NCCL_GIN_NCONTEXTS", "0", "leaves GIN no context"),
+)
 
 
 @dataclass(frozen=True)
 class Finding:
     level: str  # "error": a buffer would fail or hang; "warning": works, with a cost or a hazard; "info"
     message: str
+
+
+def rdma_ports(root: str = RDMA_SYSFS) -> list[dict[str, str]]:
+    """Every RDMA device port: ``{"device", "port", "state", "link_layer"}`` (state e.g. ``ACTIVE``,
+    link layer ``InfiniBand`` or ``Ethernet`` for RoCE); empty without RDMA devices."""
+    ports = []
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return ports
+    for device in devices:
+        ports_dir = os.path.join(root, device, "ports")
+        try:
+            numbers = sorted(os.listdir(ports_dir))
+        except OSError:
+            continue
+        for number in numbers:
+            fields = {}
+            for name in ("state", "link_layer"):
+                try:
+                    with open(os.path.join(ports_dir, number, name)) as file:
+                        fields[name] = file.read().strip()
+                except OSError:
+                    fields[name] = "unknown"
+            state = fields["state"].split(":", 1)[-1].strip()  # "4: ACTIVE" -> "ACTIVE"
+            ports.append({"device": device, "port": number, "state": state, "link_layer": fields["link_layer"]})
+    return ports
 
 
 def local_report() -> dict[str, Any]:
@@ -97,6 +131,7 @@ def local_report() -> dict[str, Any]:
         "peer_access": peer_access,
         "current_device": torch.cuda.current_device() if num_gpus else None,
         "mps_running": mps_is_running(),
+        "rdma_ports": rdma_ports(),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith(ENV_PREFIXES)},
     }
 
@@ -224,7 +259,34 @@ def check_group(reports: list[dict[str, Any]], *, allow_hybrid_mode: bool = True
                 "needs every rank load/store reachable, and hybrid mode needs NCCL GIN (an RDMA NIC) between hosts",
             )
         )
+        findings += _gin_findings(reports)
     return findings
+
+
+def _gin_findings(reports: list[dict[str, Any]]) -> list[Finding]:
+    """What would make the GIN transport fail on ranks that span hosts: no active RDMA port, or an
+    NCCL setting that disables what GIN needs (the buffer would raise at construction)."""
+    findings = []
+    inactive = [rank for rank, report in enumerate(reports) if not _has_active_port(report)]
+    if inactive:
+        hosts = sorted({reports[rank]["host"] for rank in inactive})
+        findings.append(
+            Finding(
+                "error",
+                f"ranks {_ranks_text(inactive)} (hosts {', '.join(hosts)}) have no active RDMA port in {RDMA_SYSFS}: "
+                "hybrid mode between hosts needs NCCL GIN over InfiniBand or RoCE (and GPUDirect RDMA through "
+                "nvidia-peermem or DMA-BUF)",
+            )
+        )
+    for name, value, why in GIN_BLOCKERS:
+        ranks = [rank for rank, report in enumerate(reports) if report["env"].get(name, "").strip() == value]
+        if ranks:
+            findings.append(Finding("error", f"{name}={value} on ranks {_ranks_text(ranks)} {why}"))
+    return findings
+
+
+def _has_active_port(report: dict[str, Any]) -> bool:
+    return any(port["state"] == "ACTIVE" for port in report.get("rdma_ports", []))
 
 
 def _gpus_of(facts: list[RankFacts]) -> set[tuple[str, str]]:

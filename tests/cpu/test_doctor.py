@@ -38,6 +38,7 @@ def _report(host: str = "node0", num_gpus: int = 1, device: int = 0, **overrides
         "peer_access": [[True] * num_gpus for _ in range(num_gpus)],
         "current_device": device if num_gpus else None,
         "mps_running": False,
+        "rdma_ports": [],
         "env": {},
     }
     report.update(overrides)
@@ -118,8 +119,15 @@ def test_ranks_sharing_one_gpu_use_ipc_and_a_share_of_the_sms():
     assert finding.message.endswith(f"SM cap per rank {H200_SMS // 4}")
 
 
+ACTIVE_IB_PORT = {"device": "mlx5_0", "port": "1", "state": "ACTIVE", "link_layer": "InfiniBand"}
+
+
+def _two_hosts(**overrides) -> list[dict]:
+    return [_report(host=f"node{rank // 2}", num_gpus=2, device=rank % 2, **overrides) for rank in range(4)]
+
+
 def test_two_hosts_are_hybrid_over_gin_and_say_what_that_needs():
-    reports = [_report(host=f"node{rank // 2}", num_gpus=2, device=rank % 2) for rank in range(4)]
+    reports = _two_hosts(rdma_ports=[ACTIVE_IB_PORT])
     topology, hosts = check_group(reports)
     assert "4 ranks on 2 host(s)" in topology.message
     assert "HT mode hybrid (2 nodes of 2 ranks, scale-out transport gin)" in topology.message
@@ -180,3 +188,39 @@ def test_the_smoke_test_reports_a_pass_a_mismatch_and_a_failure(monkeypatch):
     finding = smoke_test(0, 2, None, low_latency=True, timeout=5.0)
     assert finding.level == "error"
     assert finding.message.startswith("round trip failed: CommTimeoutError: rank 0: dispatch timed out")
+
+
+def test_ranks_across_hosts_without_an_active_rdma_port_or_with_gin_disabled_are_errors():
+    reports = _two_hosts(rdma_ports=[ACTIVE_IB_PORT])
+    reports[2]["rdma_ports"] = [{**ACTIVE_IB_PORT, "state": "DOWN"}]
+    reports[3]["rdma_ports"] = []
+    errors = [finding.message for finding in check_group(reports) if finding.level == "error"]
+    assert len(errors) == 1 and errors[0].startswith("ranks 2, 3 (hosts node1) have no active RDMA port")
+    disabled = _two_hosts(rdma_ports=[ACTIVE_IB_PORT], env={"NCCL_IB_DISABLE": "1"})
+    disabled[0]["env"] = {"NCCL_GIN_ENABLE": "0"}
+    errors = [finding.message for finding in check_group(disabled) if finding.level == "error"]
+    assert errors == [
+        "NCCL_GIN_ENABLE=0 on ranks 0 disables GPU-initiated networking",
+        "NCCL_IB_DISABLE=1 on ranks 1, 2, 3 disables NCCL's IB transport, which GIN runs over",
+    ]
+    # One host needs no RDMA port (the virtual nodes' lsa transport).
+    one_host = [_report(num_gpus=4, device=rank) for rank in range(4)]
+    assert not [finding for finding in check_group(one_host) if finding.level == "error"]
+
+
+def test_rdma_ports_are_read_from_sysfs(tmp_path):
+    from deep_ep.doctor import rdma_ports
+
+    assert rdma_ports(str(tmp_path / "absent")) == []
+    for device, port, state, layer in (
+        ("mlx5_0", "1", "4: ACTIVE", "InfiniBand"),
+        ("mlx5_1", "1", "1: DOWN", "Ethernet"),
+    ):
+        directory = tmp_path / device / "ports" / port
+        directory.mkdir(parents=True)
+        (directory / "state").write_text(state + "\n")
+        (directory / "link_layer").write_text(layer + "\n")
+    assert rdma_ports(str(tmp_path)) == [
+        {"device": "mlx5_0", "port": "1", "state": "ACTIVE", "link_layer": "InfiniBand"},
+        {"device": "mlx5_1", "port": "1", "state": "DOWN", "link_layer": "Ethernet"},
+    ]
