@@ -80,6 +80,7 @@ from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle, check_rank_to_mask
+from deep_ep.plan.budget import largest_fitting
 from deep_ep.window import window_tensor
 
 __all__ = [
@@ -183,19 +184,7 @@ def token_capacity(
         needed = bytes_for_tokens(num_ranks, num_scaleup_ranks, num_tokens, hidden, num_topk, use_fp8)
         return needed <= ht_region_bytes
 
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= _MAX_CAPACITY and fits(high):
-        low, high = high, high * 2
-    # fits(low) holds; fits(high) does not (or high is past the search bound).
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    return largest_fitting(fits, _MAX_CAPACITY)
 
 
 def dispatch_layout(

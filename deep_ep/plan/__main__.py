@@ -10,6 +10,7 @@ import json
 import sys
 from typing import NoReturn
 
+from deep_ep.plan.budget import parse_bytes
 from deep_ep.plan.report import PlanConfig, build_plan, format_plan
 
 USAGE_ERROR = 2
@@ -51,12 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nvlink-gbs", type=float, default=defaults.nvlink_gbs, help="scale-up GB/s per GPU")
     parser.add_argument("--num-sampled-tokens", type=int, default=defaults.num_sampled_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="window bytes per rank (e.g. 8GiB, 512MiB): also print the largest token caps that fit",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
+    except ValueError as error:
+        print(f"python -m deep_ep.plan: error: --memory-budget: {error}", file=sys.stderr)
+        return USAGE_ERROR
     config = PlanConfig(
         num_ranks=args.num_ranks,
         num_ranks_per_node=args.num_ranks_per_node,
@@ -71,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         nvlink_gbs=args.nvlink_gbs,
         num_sampled_tokens=args.num_sampled_tokens,
         seed=args.seed,
+        memory_budget_bytes=budget,
     )
     try:
         plan = build_plan(config)

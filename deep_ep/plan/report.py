@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from deep_ep.plan.budget import caps_within_budget
 from deep_ep.plan.estimates import theoretical_num_qps, theoretical_num_sms, uniform_cross_node_copies
 from deep_ep.plan.routing import check_placement, node_limited_topk, random_scores, require
 from deep_ep.plan.sizing import buffer_bytes
@@ -32,6 +33,7 @@ class PlanConfig:
     nvlink_gbs: float = 450.0  # scale-up one-way bandwidth per GPU
     num_sampled_tokens: int = 20000
     seed: int = 0
+    memory_budget_bytes: int | None = None  # per rank: also report the largest caps whose window fits
 
     @property
     def num_nodes(self) -> int:
@@ -74,6 +76,10 @@ class PlanConfig:
         require(self.link_gbs > 0, f"link_gbs must be > 0, got {self.link_gbs}")
         require(self.nvlink_gbs > 0, f"nvlink_gbs must be > 0, got {self.nvlink_gbs}")
         require(self.num_sampled_tokens >= 1, f"num_sampled_tokens must be >= 1, got {self.num_sampled_tokens}")
+        require(
+            self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+            f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}",
+        )
 
 
 def _routing(config: PlanConfig) -> dict[str, dict[str, float]]:
@@ -128,6 +134,19 @@ def build_plan(config: PlanConfig | None = None) -> dict:
     sms_args = (config.num_experts, config.num_topk, config.num_ranks, config.num_ranks_per_node, config.num_nodes)
     sms_kwargs = {"nvlink_gbs": config.nvlink_gbs, "rdma_gbs": config.link_gbs if hybrid else 0.0}
     num_sms = theoretical_num_sms(*sms_args, **sms_kwargs)
+    budget = {}
+    if config.memory_budget_bytes is not None:
+        budget["memory_budget"] = caps_within_budget(
+            config.memory_budget_bytes,
+            num_ranks=config.num_ranks,
+            num_ranks_per_node=config.num_ranks_per_node,
+            num_experts=config.num_experts,
+            num_topk=config.num_topk,
+            hidden=config.hidden,
+            use_fp8=config.use_fp8,
+            num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+            num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        )
     return {
         "config": {**dataclasses.asdict(config), "max_nodes": config.resolved_max_nodes, "num_nodes": config.num_nodes},
         **buffers,
@@ -138,6 +157,7 @@ def build_plan(config: PlanConfig | None = None) -> dict:
             "num_sms_no_overlap": theoretical_num_sms(*sms_args, **sms_kwargs, prefer_overlap_with_compute=False),
             "num_qps": theoretical_num_qps(num_sms, hybrid),
         },
+        **budget,
     }
 
 
@@ -180,7 +200,7 @@ def format_plan(plan: dict) -> str:
             f"LL expected used (uniform top-{config['num_topk']})",
             f"{_bytes(ll['expected_used_bytes'])}, {100 * ll['used_fraction']:.2f} % of the slots",
         ),
-        ("LL region (2 parities, with combine)", _bytes(ll["total_buffer_bytes"])),
+        ("LL region (3 areas, with combine)", _bytes(ll["total_buffer_bytes"])),
         ("Workspace", _bytes(window["workspace_bytes"])),
         ("Window total", _bytes(window["total_bytes"])),
     ]
@@ -227,4 +247,17 @@ def format_plan(plan: dict) -> str:
             f"QPs {theoretical['num_qps']}"
         ),
     ]
+    if "memory_budget" in plan:
+        budget = plan["memory_budget"]
+        ht_cap, ll_cap = config["num_max_tokens_per_rank"], config["num_max_dispatch_tokens_per_rank"]
+        verdict = "fits" if budget["configured_fits"] else "does NOT fit"
+        lines += [
+            "",
+            f"Memory budget {_bytes(budget['budget_bytes'])} per rank (window bytes as allocated)",
+            f"  {f'configured window (HT {ht_cap}, LL {ll_cap})':<38} {_bytes(budget['configured_bytes'])}: {verdict}",
+            f"  {f'largest HT cap with LL {ll_cap}':<38} {budget['ht_with_ll']} tokens per rank",
+            f"  {f'largest LL cap with HT {ht_cap}':<38} {budget['ll_with_ht']} tokens per rank",
+            f"  {'largest HT cap, HT-only buffer':<38} {budget['ht_only']} tokens per rank",
+            f"  {'largest LL cap, LL-only buffer':<38} {budget['ll_only']} tokens per rank",
+        ]
     return "\n".join(lines)

@@ -41,7 +41,7 @@ def low_latency_slots(
     ``R * T * K * L / E = T * K`` messages in expectation, out of ``L * R * T`` slots.
 
     Returns ``message_bytes``, ``recv_slot_bytes``, ``expected_used_bytes``, ``used_fraction`` and
-    ``total_buffer_bytes`` (the whole double-buffered LL region, combine area included).
+    ``total_buffer_bytes`` (the whole LL region: three areas in rotation, combine areas included).
     """
     layout = _C.low_latency_layout(num_ranks, num_max_tokens_per_rank, hidden, num_experts, num_topk)
     message_bytes = _C.low_latency_message_bytes(hidden, use_fp8)
