@@ -53,3 +53,8 @@ class EventOverlap:
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         if self.event is not None:
             self.current_stream_wait()
+
+
+def stream_capturing() -> bool:
+    """True inside CUDA-graph capture on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -24,7 +24,7 @@ import torch
 
 from deep_ep import _C
 from deep_ep.errors import BufferTooSmallError
-from deep_ep.event import EventOverlap
+from deep_ep.event import EventOverlap, stream_capturing
 from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
 from deep_ep.fp8 import pack_ue8m0_unchecked, unpack_ue8m0
 from deep_ep.handle import EPHandle
@@ -304,6 +304,13 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("dispatch" if handle is None else "dispatch (cached)")
+        if handle is None and (do_cpu_sync is None or bool(do_cpu_sync)) and stream_capturing():
+            # Before any launch: nothing of this call runs during capture, so no peer waits for it.
+            raise RuntimeError(
+                "dispatch with do_cpu_sync=True (the default) cannot be captured in a CUDA graph: the host reads the "
+                "received counts before it allocates the outputs. Capture a cached dispatch (handle=), or pass "
+                "do_cpu_sync=False (outputs at their worst-case sizes)"
+            )
         try:
             device = self._torch_device
             data, scales = self._check_dispatch_x(x, device)

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from deep_ep import _C
 from deep_ep.buffer import ElasticBuffer
 from deep_ep.errors import BufferTooSmallError, PeerInputError
-from deep_ep.event import EventOverlap
+from deep_ep.event import EventOverlap, stream_capturing
 from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle, check_rank_to_mask
 from deep_ep.plan.budget import largest_fitting
@@ -599,7 +599,7 @@ class _Streams:
         return torch.cuda.stream(self.work) if self.work is not self.compute else contextlib.nullcontext()
 
     def hand_over(self) -> None:
-        if self.alloc is self.comm and not torch.cuda.is_current_stream_capturing():
+        if self.alloc is self.comm and not torch.cuda.is_current_streamstream_capturing():
             for tensor in self.allocated:
                 tensor.record_stream(self.compute)
 
@@ -932,6 +932,13 @@ class Buffer:
         if handle is not None:
             return self._cached_dispatch(
                 core, x, handle, topk_idx, topk_weights, config, previous_event, async_finish, allocate_on_comm_stream
+            )
+        if num_worst_tokens == 0 and stream_capturing():
+            # Before any launch: nothing of this call runs during capture, so no peer waits for it.
+            raise RuntimeError(
+                "Buffer.dispatch without num_worst_tokens cannot be captured in a CUDA graph: the host reads the "
+                "received counts before it allocates the outputs. Capture a cached dispatch (handle=), or pass "
+                "num_worst_tokens > 0 (outputs padded to that many rows, no CPU sync)"
             )
         num_experts: Any = None
         try:
@@ -1274,7 +1281,7 @@ class Buffer:
         self._require_low_latency_mode(operation)
         if self._ll_core is not None:
             return self._usable_ll_core(operation)
-        if _capturing():
+        if stream_capturing():
             raise RuntimeError(
                 f"the first Buffer.{operation} builds the low-latency window (an exchange over the group and an "
                 "allocation) and cannot run inside CUDA-graph capture: call clean_low_latency_buffer, or make one "
@@ -1544,11 +1551,6 @@ class Buffer:
         if core is not None:
             core.low_latency_clean_mask_buffer()
         self._pending_masked_ranks = set()
-
-
-def _capturing() -> bool:
-    """True inside CUDA-graph capture on the current stream (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _v1_event(event: Any) -> EventOverlap:

@@ -185,3 +185,19 @@ def test_dispatch_refuses_other_scale_formats_naming_both_accepted_ones(hidden, 
     buffer = _HostTensorBuffer(serial=1)
     with pytest.raises(ValueError, match=r"float32 \[T, H/128\] or, with H % 512 == 0, int32 \[T, H/512\]"):
         buffer._check_dispatch_x((_fp8(6, hidden), scales), buffer._torch_device)
+
+
+def test_a_cpu_synced_dispatch_refuses_cuda_graph_capture_before_launching(monkeypatch):
+    import deep_ep.high_throughput
+
+    monkeypatch.setattr(deep_ep.high_throughput, "stream_capturing", lambda: True)
+    buffer = _FakeHighThroughputBuffer(serial=1)  # no runtime: a launch would fail with AttributeError
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    topk_idx = torch.zeros(4, 2, dtype=torch.int64)
+    for do_cpu_sync in (None, True):
+        with pytest.raises(RuntimeError, match=r"do_cpu_sync=True \(the default\) cannot be captured in a CUDA graph"):
+            buffer.dispatch(x, topk_idx, num_experts=8, do_cpu_sync=do_cpu_sync)
+    # Without the CPU sync the call gets past the capture check (the fake then fails elsewhere).
+    with pytest.raises(Exception) as later:  # noqa: PT011 - any failure past the check will do
+        buffer.dispatch(x, topk_idx, num_experts=8, do_cpu_sync=False)
+    assert "CUDA graph" not in str(later.value)

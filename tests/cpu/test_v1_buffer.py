@@ -564,6 +564,21 @@ def test_refused_dispatch_takes_part_without_data_then_raises(kwargs, error, wor
     assert call[2] == (None if kwargs.get("drop") == "num_tokens_per_expert" else 8)  # E, from the layout
 
 
+def test_a_cpu_synced_dispatch_refuses_cuda_graph_capture_before_the_core_runs(monkeypatch):
+    import deep_ep.v1_buffer
+
+    monkeypatch.setattr(deep_ep.v1_buffer, "stream_capturing", lambda: True)
+    buffer = _recording_buffer()
+    topk_idx, layout = _layout()
+    with pytest.raises(RuntimeError, match="without num_worst_tokens cannot be captured in a CUDA graph"):
+        buffer.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), topk_idx=topk_idx, **layout)
+    assert buffer._core.calls == []  # nothing launched, not even the take-part-without-data kernels
+    # With num_worst_tokens (no CPU sync) the call goes on to the core.
+    with pytest.raises(AssertionError, match="not reached"):
+        buffer.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16), topk_idx=topk_idx, num_worst_tokens=16, **layout)
+    assert buffer._core.calls[0][0] == "dispatch"
+
+
 def test_a_token_count_past_the_capacity_raises_buffer_too_small_after_the_core_took_part():
     buffer = _recording_buffer()
     capacity = buffer.token_capacity(4096, 2, False)
@@ -798,7 +813,7 @@ def fake_cores(monkeypatch):
     rank's item for every rank unless a test sets ``peers`` (the items of the others, by rank)."""
     _RecordingLowLatencyCore.built = []
     monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
-    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
     state = SimpleNamespace(exchanged=[], peers=None, built=_RecordingLowLatencyCore.built)
 
     def exchange(self, item):
@@ -943,14 +958,14 @@ def test_first_call_arguments_that_cannot_size_a_window_are_refused_after_the_ex
 
 def test_first_call_inside_graph_capture_raises_before_anything(fake_cores, monkeypatch):
     buffer = _ll_buffer()
-    monkeypatch.setattr(v1_buffer, "_capturing", lambda: True)
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
     x, topk_idx = _ll_inputs()
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
     assert fake_cores.exchanged == [] and buffer._ll_core is None
-    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
     buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
-    monkeypatch.setattr(v1_buffer, "_capturing", lambda: True)
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
     buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)  # once built, LL calls may be captured
 
 
@@ -1092,7 +1107,7 @@ def test_the_first_call_exchanges_over_a_one_rank_gloo_group(tmp_path, monkeypat
 
     _RecordingLowLatencyCore.built = []
     monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
-    monkeypatch.setattr(v1_buffer, "_capturing", lambda: False)
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         buffer = Buffer(dist.group.WORLD, 0, low_latency_window_bytes(LL_T, LL_H, 1, LL_E), low_latency_mode=True)
