@@ -169,6 +169,18 @@ def _cuda_graph(rank, num_ranks, group):
         buffer._check_device_errors()
         assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
         del graph
+        # A CPU-synced dispatch cannot be captured: it raises before launching anything (so no peer
+        # waits for it) and the buffer stays usable.
+        refused = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(refused):
+                dispatch_case(buffer, rank, case, inputs)
+        except RuntimeError as error:
+            assert "cannot be captured in a CUDA graph" in str(error), error
+        else:
+            raise AssertionError("a CPU-synced dispatch was captured")
+        del refused
+        assert_outputs_equal("eager dispatch after a refused capture", dispatch_case(buffer, rank, case, inputs), first)
     finally:
         buffer.destroy()
 
