@@ -9,7 +9,8 @@
 #        bench_ll.py, e.g. "--tokens 4096,8192 --baseline --num-sms 0,8,16,24,32,64"),
 #        EP_GPU_CHECK_TIMEOUT (seconds per pytest run, default 900), PYTHON (default python3),
 #        EP_GPU_CHECK_PLAN (instead of every test at every rank count: steps "RANKS:TESTS:SECONDS"
-#        separated by spaces, TESTS comma-separated, run in the order given, e.g.
+#        separated by spaces, TESTS comma-separated paths or test ids (file.py::test_name), SECONDS
+#        optional, run in the order given, e.g.
 #        "4:tests/gpu/test_low_latency.py,tests/gpu/test_faults.py:240 8:tests/gpu/test_moe_layer.py:150";
 #        put a suite that may hang last), EP_GPU_CHECK_BUDGET (seconds: a step that would start after
 #        this much time since the start is skipped and reported, so that the logs still come back).
@@ -87,9 +88,16 @@ run_tests() {
 if [[ -n ${EP_GPU_CHECK_PLAN:-} ]]; then
   step=0
   for entry in $EP_GPU_CHECK_PLAN; do
-    IFS=: read -r n tests limit <<< "$entry"
+    # RANKS before the first ':', SECONDS after the last one when numeric (test ids may hold '::').
+    n=${entry%%:*}
+    tests=${entry#*:}
+    limit=$PER_RUN_TIMEOUT
+    if [[ ${tests##*:} =~ ^[0-9]+$ ]]; then
+      limit=${tests##*:}
+      tests=${tests%:*}
+    fi
     step=$(( step + 1 ))
-    run_tests "$n" "${tests//,/ }" "${limit:-$PER_RUN_TIMEOUT}" "pytest_step${step}_${n}ranks.log"
+    run_tests "$n" "${tests//,/ }" "$limit" "pytest_step${step}_${n}ranks.log"
   done
 else
   [[ $RANKS == none ]] && RANKS=""
