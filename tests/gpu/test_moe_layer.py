@@ -43,10 +43,13 @@ from rank_results import launch_once  # noqa: E402
 # wait on one rank times out right after the first training step (4 ranks) or after the third
 # (8 ranks), and the other ranks' next notify completes the moment it does. The phase and peer of
 # that timeout were not captured; next step: read them from the CommTimeoutError message (it now
-# lists each rank's last calls). Hypothesis to test: a cuBLAS GEMM whose CTAs wait for each other
-# (split-K / stream-K fix-up) runs partially resident while the peers' communication kernels hold
-# SMs, and completes only once those time out; a run with CUBLAS_WORKSPACE_CONFIG=:0:0 and
-# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no such algorithms) would pass if so.
+# lists each rank's last calls and names the call its kernel belonged to). Hypothesis to test: at 4
+# ranks each rank's communication kernels take 33 SMs (the 132 / 4 cap; the estimate asks for more),
+# so while three peers spin, the fourth rank's GEMMs get 33 SMs; a persistent cuBLAS kernel sized
+# for all 132 SMs whose CTAs wait for each other (stream-K / split-K fix-up) then cannot finish
+# until the peers time out and free theirs. Experiments: CUBLAS_WORKSPACE_CONFIG=:0:0 with
+# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no fix-up algorithms), or fewer communication SMs (a
+# num_sms below the cap leaves room for a whole GEMM grid).
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
 LAUNCH_TIMEOUT_SECS = 300.0
 
