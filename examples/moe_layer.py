@@ -106,6 +106,7 @@ class MoEConfig:
     expert_alignment: int = 16
     ll_use_fp8: bool = True
     seed: int = 0
+    num_sms: int = 0  # HT communication SMs per rank (dispatch, combine and their backward); 0: the estimate
 
 
 def _generator(device: torch.device, seed: int, stream: int) -> torch.Generator:
@@ -330,6 +331,7 @@ class MoELayer(torch.nn.Module):
             self.cfg.num_experts,
             do_expand=True,
             expert_alignment=self.cfg.expert_alignment,
+            num_sms=self.cfg.num_sms,
         )
         return _HTState(recv_x, recv_weights, handle)
 
@@ -349,7 +351,7 @@ class MoELayer(torch.nn.Module):
         return (rows.float() * state.recv_weights.unsqueeze(1)).to(torch.bfloat16)
 
     def _ht_combine(self, weighted: torch.Tensor, handle: Any) -> torch.Tensor:
-        combined, _ = _autograd().combine(self.buffer, weighted, handle)
+        combined, _ = _autograd().combine(self.buffer, weighted, handle, num_sms=self.cfg.num_sms)
         return combined
 
     def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
@@ -732,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-topk", type=int, default=4)
     parser.add_argument("--expert-alignment", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-sms", type=int, default=0, help="HT communication SMs per rank (0: the estimate)")
     args = parser.parse_args(argv)
     shape = {
         "hidden": args.hidden,
@@ -739,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_experts": args.num_experts,
         "num_topk": args.num_topk,
         "expert_alignment": args.expert_alignment,
+        "num_sms": args.num_sms,
     }
     config = CheckConfig(
         variants=tuple((name, replace(cfg, **shape)) for name, cfg in CheckConfig().variants),

@@ -24,7 +24,9 @@ is the tolerance one (``HT two-batch ...`` errors against the dense model).
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,9 +50,13 @@ from rank_results import launch_once  # noqa: E402
 # so while three peers spin, the fourth rank's GEMMs get 33 SMs; a persistent cuBLAS kernel sized
 # for all 132 SMs whose CTAs wait for each other (stream-K / split-K fix-up) then cannot finish
 # until the peers time out and free theirs. Experiments: CUBLAS_WORKSPACE_CONFIG=:0:0 with
-# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no fix-up algorithms), or fewer communication SMs (a
-# num_sms below the cap leaves room for a whole GEMM grid).
+# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no fix-up algorithms), or fewer communication SMs
+# (EP_TEST_MOE_NUM_SMS=8: a num_sms below the cap leaves room for a whole GEMM grid).
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
+# Diagnosis knob: EP_TEST_MOE_NUM_SMS=n runs the HT calls with n communication SMs per rank.
+if os.environ.get("EP_TEST_MOE_NUM_SMS"):
+    _num_sms = int(os.environ["EP_TEST_MOE_NUM_SMS"])
+    CONFIG = replace(CONFIG, variants=tuple((name, replace(cfg, num_sms=_num_sms)) for name, cfg in CONFIG.variants))
 LAUNCH_TIMEOUT_SECS = 300.0
 
 
