@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--expert-alignment", type=int, default=128)
+    parser.add_argument("--num-sms", type=int, default=0, help="HT communication SMs per rank (0: the estimate)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20, help="timed runs per path and mode")
@@ -98,6 +99,7 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
         num_experts=config["num_experts"],
         num_topk=config["num_topk"],
         expert_alignment=config["expert_alignment"],
+        num_sms=config["num_sms"],
         ll_use_fp8=True,
     )
     device = torch.device("cuda", torch.cuda.current_device())
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_experts": args.num_experts,
         "num_topk": args.num_topk,
         "expert_alignment": args.expert_alignment,
+        "num_sms": args.num_sms,
         "paths": paths,
         "warmup": args.warmup,
         "iters": args.iters,
