@@ -599,7 +599,7 @@ class _Streams:
         return torch.cuda.stream(self.work) if self.work is not self.compute else contextlib.nullcontext()
 
     def hand_over(self) -> None:
-        if self.alloc is self.comm and not torch.cuda.is_current_streamstream_capturing():
+        if self.alloc is self.comm and not stream_capturing():
             for tensor in self.allocated:
                 tensor.record_stream(self.compute)
 

@@ -1136,3 +1136,18 @@ def test_masks_set_before_the_first_low_latency_call_are_applied_to_the_window_i
     assert ll_core.calls[1][0] == "low_latency_dispatch"
     buffer.low_latency_update_mask_buffer(1, False)  # now straight to the window's mask
     assert ll_core.calls[-1] == ("low_latency_update_mask_buffer", 1, False)
+
+
+def test_tensors_allocated_on_the_comm_stream_are_handed_over_unless_capturing(monkeypatch):
+    # _Streams without a device: the two streams are stand-ins, the tensors record what they get.
+    streams = object.__new__(v1_buffer._Streams)
+    streams.compute, streams.comm = object(), object()
+    streams.alloc = streams.work = streams.comm
+    handed = []
+    streams.allocated = [SimpleNamespace(record_stream=handed.append)]
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
+    streams.hand_over()
+    assert handed == []  # record_stream is not allowed inside capture
+    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
+    streams.hand_over()
+    assert handed == [streams.compute]
