@@ -39,8 +39,6 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   if (config.scaleout == ScaleoutKind::kGin && config.backend != BackendKind::kNccl) {
     throw std::invalid_argument("the 'gin' scale-out transport needs backend 'nccl' (GIN works on an NCCL window)");
   }
-  // Before any rank can launch a kernel that waits for its peers (kernels/preload.hpp says why).
-  preload_kernels();
   if (config.num_scaleup_ranks < 1 || config.num_ranks % config.num_scaleup_ranks != 0) {
     throw std::invalid_argument("num_scaleup_ranks must divide num_ranks " + std::to_string(config.num_ranks) +
                                 ", got " + std::to_string(config.num_scaleup_ranks));
@@ -50,6 +48,9 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
                                 " s, cpu " + std::to_string(config.cpu_timeout_secs) + " s");
   }
   EP_CUDA_CHECK(cudaSetDevice(config.device));
+  // Into this device's context, before any rank can launch a kernel that waits for its peers
+  // (kernels/preload.hpp says why).
+  preload_kernels();
   // A constructor that throws runs no destructor: free what was allocated before the failure.
   try {
     create_resources();
