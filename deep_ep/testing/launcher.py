@@ -163,8 +163,8 @@ def launch(
 # spins until this rank's kernel runs: a deadlock until the peer's wait deadline (measured: the
 # example MoE layer's backward at 4 ranks on one H200). The library loads its own kernels at buffer
 # construction; the launcher makes such ranks load every module eagerly and calls cuBLAS once
-# before the rank function (warm_up.py: cuBLAS loads its modules on its first call, which eager
-# loading does not move). EP_LAUNCH_MODULE_LOADING (EAGER or LAZY) overrides the choice.
+# before the rank function (warm_up.py: cuBLAS loads a kernel's module when a call first needs it,
+# which eager loading does not move). EP_LAUNCH_MODULE_LOADING (EAGER or LAZY) overrides the choice.
 MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
 MODULE_LOADING_OVERRIDE_ENV = "EP_LAUNCH_MODULE_LOADING"
 
