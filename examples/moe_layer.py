@@ -287,8 +287,6 @@ class MoELayer(torch.nn.Module):
                     weights = torch.zeros(rows, dtype=torch.float32, device=device, requires_grad=True)
                     handle = _WarmUpHandle([rows, *zeros])
                     self._ht_experts(_HTState(recv_x, weights, handle)).float().sum().backward()
-        if streams:
-            torch.cuda.synchronize(device)
         self.zero_grad(set_to_none=True)
         if self.buffer.num_max_dispatch_tokens_per_rank > 0:
             num_rows = self.buffer.num_ranks * self.buffer.num_max_dispatch_tokens_per_rank
