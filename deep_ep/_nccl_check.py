@@ -65,6 +65,15 @@ def distinct_nccl_files(paths: list[str]) -> list[str]:
     return distinct
 
 
+def loaded_nccl_libraries() -> list[str]:
+    """The distinct libnccl files this process maps; empty without /proc (not Linux)."""
+    try:
+        with open(_MAPS_PATH) as maps:
+            return distinct_nccl_files(mapped_nccl_files(maps.read()))
+    except OSError:
+        return []
+
+
 def check_nccl(compiled_version: int, loaded_version: int, linked_path: str, maps_text: str | None = None) -> None:
     """Raise ImportError if the loaded NCCL is not the compiled-against version; warn if the
     process maps more than one distinct libnccl. Skipped when EP_SUPPRESS_NCCL_CHECK=1."""
@@ -84,14 +93,7 @@ def check_nccl(compiled_version: int, loaded_version: int, linked_path: str, map
             f"{SUPPRESS_VARIABLE}=1 skips this check."
         )
 
-    if maps_text is None:
-        try:
-            with open(_MAPS_PATH) as maps:
-                maps_text = maps.read()
-        except OSError:  # no /proc (not Linux): nothing to scan
-            return
-
-    distinct = distinct_nccl_files(mapped_nccl_files(maps_text))
+    distinct = loaded_nccl_libraries() if maps_text is None else distinct_nccl_files(mapped_nccl_files(maps_text))
     if len(distinct) > 1:
         warnings.warn(
             f"{len(distinct)} different NCCL libraries are loaded in this process: {', '.join(distinct)} "

@@ -32,7 +32,7 @@ import torch
 
 import deep_ep
 from deep_ep import _C
-from deep_ep._nccl_check import distinct_nccl_files, format_nccl_version, mapped_nccl_files
+from deep_ep._nccl_check import format_nccl_version, loaded_nccl_libraries
 from deep_ep.topology import (
     RankFacts,
     build_topology,
@@ -110,11 +110,6 @@ def local_report() -> dict[str, Any]:
         )
     gpu_range = range(num_gpus)
     peer_access = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in gpu_range] for i in gpu_range]
-    try:
-        with open("/proc/self/maps") as maps:
-            libraries = distinct_nccl_files(mapped_nccl_files(maps.read()))
-    except OSError:
-        libraries = []
     loaded = _C.nccl_loaded_version()
     return {
         "host": socket.gethostname(),
@@ -126,7 +121,7 @@ def local_report() -> dict[str, Any]:
         "nccl_compiled": format_nccl_version(_C.nccl_compiled_version()),
         "nccl_loaded": format_nccl_version(loaded),
         "nccl_loaded_code": loaded,
-        "nccl_libraries": libraries,
+        "nccl_libraries": loaded_nccl_libraries(),
         "gpus": gpus,
         "peer_access": peer_access,
         "current_device": torch.cuda.current_device() if num_gpus else None,
