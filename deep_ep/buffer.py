@@ -31,6 +31,7 @@ from deep_ep.topology import (
     choose_scaleout_transport,
     emulated_ranks_per_node,
     gpu_is_shared,
+    ht_sm_cap,
     mps_is_running,
     requested_backend,
     requested_scaleout_transport,
@@ -247,6 +248,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             else None
         )
         self._max_num_sms = sm_cap(facts.sm_count, topology.ranks_per_gpu)
+        self._max_ht_num_sms = ht_sm_cap(facts.sm_count, topology.ranks_per_gpu)
         if topology.ranks_per_gpu > 1:
             global _warned_no_mps
             if not mps_is_running() and not _warned_no_mps:
@@ -282,7 +284,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             print(
                 f"[deep_ep rank {self.rank_idx}] backend={self.backend} window={self.num_bytes} B "
                 f"(HT {self._window['ht_bytes']} B, LL {self._window['ll_bytes']} B) "
-                f"scaleout={self.num_scaleout_ranks} scaleup={self.num_scaleup_ranks} sm_cap={self._max_num_sms}",
+                f"scaleout={self.num_scaleout_ranks} scaleup={self.num_scaleup_ranks} "
+                f"sm_cap={self._max_num_sms} ht_sm_cap={self._max_ht_num_sms}",
                 flush=True,
             )
 

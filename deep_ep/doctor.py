@@ -39,6 +39,7 @@ from deep_ep.topology import (
     choose_backend,
     choose_scaleout_transport,
     gpu_is_shared,
+    ht_sm_cap,
     mps_is_running,
     requested_backend,
     requested_scaleout_transport,
@@ -233,6 +234,7 @@ def check_group(reports: list[dict[str, Any]], *, allow_hybrid_mode: bool = True
         return findings
     num_hosts = len({fact.host for fact in facts})
     per_gpu = max(sum(1 for other in facts if (other.host, other.device_uuid) == gpu) for gpu in _gpus_of(facts))
+    sm_count = min(fact.sm_count for fact in facts)
     mode = (
         f"hybrid ({topology.num_scaleout_ranks} nodes of {topology.num_scaleup_ranks} ranks, scale-out "
         f"transport {transport})"
@@ -243,7 +245,7 @@ def check_group(reports: list[dict[str, Any]], *, allow_hybrid_mode: bool = True
         Finding(
             "info",
             f"{topology.num_ranks} ranks on {num_hosts} host(s), up to {per_gpu} per GPU; backend {backend}; HT mode "
-            f"{mode}; SM cap per rank {sm_cap(min(fact.sm_count for fact in facts), per_gpu)}",
+            f"{mode}; SM cap per rank {sm_cap(sm_count, per_gpu)} (HT kernels {ht_sm_cap(sm_count, per_gpu)})",
         )
     )
     if topology.spans_hosts:

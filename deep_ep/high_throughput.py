@@ -182,6 +182,7 @@ class HighThroughputMixin:
     _window: dict[str, int]
     _comm_stream: torch.cuda.Stream
     _max_num_sms: int
+    _max_ht_num_sms: int
     _serial: int
     _torch_device: torch.device
     num_ranks: int
@@ -238,9 +239,9 @@ class HighThroughputMixin:
                 sm_read_gbs=sm_read_gbs or 200.0,
                 sm_write_gbs=sm_write_gbs or DIRECT_SM_WRITE_GBS,
                 prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
-                device_sms=self._max_num_sms,
+                device_sms=self._max_ht_num_sms,
             )
-            cache[key] = min(num_sms, self._max_num_sms)
+            cache[key] = min(num_sms, self._max_ht_num_sms)
         return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
@@ -992,10 +993,11 @@ class HighThroughputMixin:
             raise ValueError(f"num_sms must be an int >= 0 (0 = estimate), got {num_sms!r}")
         if num_sms == 0:
             return self.get_theoretical_num_sms(num_experts, num_topk)
-        if num_sms > self._max_num_sms:
+        if num_sms > self._max_ht_num_sms:
             raise ValueError(
-                f"num_sms={num_sms} exceeds this rank's SM cap {self._max_num_sms} (device SMs divided by the "
-                "ranks sharing the GPU: every rank's communication CTAs must be resident at once)"
+                f"num_sms={num_sms} exceeds this rank's SM cap for HT kernels, {self._max_ht_num_sms} (all device "
+                "SMs with one rank per GPU; with ranks sharing a GPU, half of each rank's share, so that the "
+                "ranks' communication CTAs can be resident at once beside compute)"
             )
         return num_sms
 

@@ -187,6 +187,22 @@ def sm_cap(sm_count: int, ranks_per_gpu: int) -> int:
     return max(1, sm_count // max(1, ranks_per_gpu))
 
 
+def ht_sm_cap(sm_count: int, ranks_per_gpu: int) -> int:
+    """SMs one rank's HT dispatch / combine kernels may use (``num_sms``).
+
+    One rank per GPU: all of them. Ranks sharing a GPU: half of the rank's share, so that the
+    sharing ranks' HT kernels leave half the GPU to compute. HT kernels synchronise their whole
+    grid (every CTA resident at once) while the peers' kernels spin; with the full share (every
+    SM taken when all ranks spin) a rank whose expert GEMMs run beside its peers' HT kernels could
+    not get its own grid resident until the peers' deadline. Measured on one H200 under MPS with
+    the example MoE layer's training steps: at 4 ranks 33 SMs per rank timed out in the second
+    step, 16 and 8 passed; at 8 ranks 16 timed out in the third step, 8 passed.
+    """
+    if ranks_per_gpu <= 1:
+        return max(1, sm_count)
+    return max(1, sm_count // (2 * ranks_per_gpu))
+
+
 def mps_is_running() -> bool:
     pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
     return os.path.exists(os.path.join(pipe_dir, "control"))

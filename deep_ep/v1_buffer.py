@@ -686,7 +686,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """SMs the HT kernels use when no ``config`` is passed (V1: even); for every Buffer. Capped per
-        call at this rank's SM share (the device's SMs divided by the ranks sharing the GPU)."""
+        call at this rank's SM cap for HT kernels (``deep_ep.topology.ht_sm_cap``)."""
         if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms < 2:
             raise ValueError(f"num_sms must be an int >= 2, got {new_num_sms!r}")
         if new_num_sms % 2 != 0:
@@ -756,7 +756,7 @@ class Buffer:
                     f"config must be a V1 Config with an int num_sms >= 1 (its chunk sizes tune V1's ring buffers and "
                     f"are not used here), got {type(config).__name__} with num_sms={requested!r}"
                 )
-        return min(requested, self._core._max_num_sms)
+        return min(requested, self._core._max_ht_num_sms)
 
     @staticmethod
     def _check_stream_options(previous_event: Any) -> None:

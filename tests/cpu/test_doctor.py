@@ -108,7 +108,7 @@ def test_one_host_one_gpu_per_rank_is_direct_mode_on_nccl():
     assert finding == Finding(
         "info",
         "8 ranks on 1 host(s), up to 1 per GPU; backend nccl; HT mode direct (one load/store domain); "
-        f"SM cap per rank {H200_SMS}",
+        f"SM cap per rank {H200_SMS} (HT kernels {H200_SMS})",
     )
 
 
@@ -116,7 +116,7 @@ def test_ranks_sharing_one_gpu_use_ipc_and_a_share_of_the_sms():
     reports = [_report(num_gpus=1, device=0) for _ in range(4)]
     (finding,) = check_group(reports)
     assert "up to 4 per GPU; backend ipc" in finding.message
-    assert finding.message.endswith(f"SM cap per rank {H200_SMS // 4}")
+    assert finding.message.endswith(f"SM cap per rank {H200_SMS // 4} (HT kernels {H200_SMS // 8})")
 
 
 ACTIVE_IB_PORT = {"device": "mlx5_0", "port": "1", "state": "ACTIVE", "link_layer": "InfiniBand"}

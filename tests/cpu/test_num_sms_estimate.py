@@ -17,6 +17,7 @@ class FakeBuffer(HighThroughputMixin):
         self.num_scaleout_ranks = num_scaleout_ranks
         self.topology = SimpleNamespace(ranks_per_gpu=ranks_per_gpu)
         self._max_num_sms = cap
+        self._max_ht_num_sms = cap
 
 
 def test_direct_mode_uses_the_calibrated_direct_model() -> None:

@@ -11,6 +11,7 @@ from deep_ep.topology import (
     choose_scaleout_transport,
     emulated_ranks_per_node,
     gpu_is_shared,
+    ht_sm_cap,
     ranks_per_host,
     requested_backend,
     requested_scaleout_transport,
@@ -190,6 +191,16 @@ def test_sm_cap_splits_the_gpu_between_sharing_ranks():
     assert sm_cap(132, 1) == 132
     assert sm_cap(132, 8) == 16
     assert sm_cap(132, 3) == 44
+
+
+def test_ht_sm_cap_leaves_half_of_a_shared_gpu_to_compute():
+    assert ht_sm_cap(132, 1) == 132
+    assert ht_sm_cap(132, 2) == 33
+    assert ht_sm_cap(132, 4) == 16
+    assert ht_sm_cap(132, 8) == 8
+    assert ht_sm_cap(4, 8) == 1
+    for ranks in range(2, 9):
+        assert ranks * ht_sm_cap(132, ranks) <= 66
 
 
 def test_backend_none_reads_ep_backend(monkeypatch):

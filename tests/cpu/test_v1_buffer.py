@@ -110,6 +110,7 @@ def _bare_buffer(num_ranks: int = 8, scaleup: int = 8, region: int = 2 * MIB, ma
         num_scaleout_ranks=num_ranks // scaleup,
         _window={"ht_bytes": region, "ht_offset": _C.WORKSPACE_BYTES},
         _max_num_sms=max_num_sms,
+        _max_ht_num_sms=max_num_sms,
     )
     return buffer
 
@@ -500,6 +501,7 @@ class _RecordingCore(SimpleNamespace):
             num_scaleout_ranks=1,
             _window={"ht_bytes": region, "ht_offset": _C.WORKSPACE_BYTES},
             _max_num_sms=32,
+            _max_ht_num_sms=32,
             calls=[],
         )
 
@@ -736,6 +738,7 @@ class _RecordingLowLatencyCore(SimpleNamespace):
             num_scaleout_ranks=1,
             _window={"ht_bytes": 2 * MIB, "ht_offset": _C.WORKSPACE_BYTES},
             _max_num_sms=32,
+            _max_ht_num_sms=32,
             stale=False,
             destroy_error=None,
         )
