@@ -37,23 +37,15 @@ import moe_layer  # noqa: E402  (examples/ is not a package)
 from rank_results import launch_once  # noqa: E402
 
 # A device wait that never ends fails in 30 s naming the peer and phase (CommTimeoutError), and the
-# launch as a whole gets 300 s. Known failure at 4 and 8 ranks on one H200 (2 ranks pass), measured
-# 2026-12-02 with a 10 s deadline: (1) without warm-up, one rank's first expert GEMM call blocked on
-# the host for exactly the peers' deadline (cuBLAS loads a kernel's module on first use, and under
-# MPS that waits for the peers' spinning kernels: docs/testing.md); MoELayer.warm_up and the
-# launcher's warm-up removed every host stall. (2) Still open: with no host call blocking, a device
-# wait on one rank times out right after the first training step (4 ranks) or after the third
-# (8 ranks), and the other ranks' next notify completes the moment it does. The phase and peer of
-# that timeout were not captured; next step: read them from the CommTimeoutError message (it now
-# lists each rank's last calls and names the call its kernel belonged to). Hypothesis to test: at 4
-# ranks each rank's communication kernels take 33 SMs (the 132 / 4 cap; the estimate asks for more),
-# so while three peers spin, the fourth rank's GEMMs get 33 SMs; a persistent cuBLAS kernel sized
-# for all 132 SMs whose CTAs wait for each other (stream-K / split-K fix-up) then cannot finish
-# until the peers time out and free theirs. Experiments: CUBLAS_WORKSPACE_CONFIG=:0:0 with
-# CUBLASLT_WORKSPACE_SIZE=0 (no workspace: no fix-up algorithms), or fewer communication SMs
-# (EP_TEST_MOE_NUM_SMS=8: a num_sms below the cap leaves room for a whole GEMM grid).
+# launch as a whole gets 300 s. Two hazards of ranks sharing a GPU under MPS broke this test at 4
+# and 8 ranks (both measured on one H200, 2026-12-02): (1) a rank's first cuBLAS call of a shape
+# loads a kernel module, which waits for the peers' spinning kernels (MoELayer.warm_up and the
+# launcher's warm-up load them first); (2) with the HT kernels at the full per-rank SM share the
+# sharing ranks' spinning kernels took every SM, and a rank whose expert GEMMs ran beside them could
+# not get its next HT grid resident: a dispatch timed out in the second (4 ranks) or third (8 ranks)
+# training step. The HT SM cap for shared GPUs (deep_ep.topology.ht_sm_cap, half the share) fixed it.
 CONFIG = moe_layer.CheckConfig(gpu_timeout_secs=30.0)
-# Diagnosis knob: EP_TEST_MOE_NUM_SMS=n runs the HT calls with n communication SMs per rank.
+# Knob: EP_TEST_MOE_NUM_SMS=n runs the HT calls with n communication SMs per rank (0: the estimate).
 if os.environ.get("EP_TEST_MOE_NUM_SMS"):
     _num_sms = int(os.environ["EP_TEST_MOE_NUM_SMS"])
     CONFIG = replace(CONFIG, variants=tuple((name, replace(cfg, num_sms=_num_sms)) for name, cfg in CONFIG.variants))
