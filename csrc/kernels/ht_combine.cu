@@ -102,14 +102,8 @@ __device__ void sum_node_rows(const DeviceView& view, const HtCall& call, int so
 #pragma unroll
       for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
     }
-    for (int term = 0; term < num_terms; ++term) {
-      const auto* row = reinterpret_cast<const int4*>(rows + term * row_stride);
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-        if (index < num_vectors) accumulate_bf16x8(acc[u], __ldcg(row + index));
-      }
-    }
+    // __ldcg: the rows were stored by this node's ranks during this kernel.
+    accumulate_rows(acc, rows, row_stride, num_terms, base, num_vectors, [](const int4* p) { return __ldcg(p); });
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
       const int64_t index = base + u * 32 + lane;

@@ -58,14 +58,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
         if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + t * num_vectors + index));
         if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + t * num_vectors + index));
       }
-      for (int term = 0; term < num_terms; ++term) {
-        const auto* row = reinterpret_cast<const int4*>(token_rows + term * area_stride);
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t index = base + u * 32 + lane;
-          if (index < num_vectors) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(row + index));
-        }
-      }
+      accumulate_rows(acc, token_rows, area_stride, num_terms, base, num_vectors,
+                      [](const int4* p) { return ptx::ld_nc_v4(p); });
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         const int64_t index = base + u * 32 + lane;

@@ -178,6 +178,41 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], 
   }
 }
 
+// acc[u] += rows [0, num_terms) at vector `base + u * 32 + lane` (row t at rows + t * stride), in
+// ascending term order: the fixed order is what makes the sum bitwise reproducible. The loads of up
+// to kSumTermsInFlight terms are issued before any is added, so a warp keeps that many rows' loads
+// in flight instead of one (the sums are bound by load latency, not bandwidth). `load` is the load
+// the caller's coherence needs (__ldcg for rows peers wrote in this kernel, ld.nc for rows of an
+// earlier kernel).
+constexpr int kSumTermsInFlight = 4;
+
+template <int kUnroll, typename Load>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVector], const uint8_t* rows,
+                                                int64_t stride, int num_terms, int64_t base, int64_t num_vectors,
+                                                const Load& load) {
+  const int lane = lane_id();
+  for (int first = 0; first < num_terms; first += kSumTermsInFlight) {
+    int4 vectors[kSumTermsInFlight][kUnroll];
+#pragma unroll
+    for (int t = 0; t < kSumTermsInFlight; ++t) {
+      const auto* row = reinterpret_cast<const int4*>(rows + (first + t) * stride);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+        if (first + t < num_terms && index < num_vectors) vectors[t][u] = load(row + index);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kSumTermsInFlight; ++t) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+        if (first + t < num_terms && index < num_vectors) accumulate_bf16x8(acc[u], vectors[t][u]);
+      }
+    }
+  }
+}
+
 // Round to nearest even, once.
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[kBf16PerVector]) {
   int4 vector;
