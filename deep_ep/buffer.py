@@ -451,6 +451,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 backend,
                 self._max_num_sms,
                 self.scaleout_transport or "lsa",
+                self._max_ht_num_sms,
             )
 
         try:

@@ -32,6 +32,7 @@ struct DeviceView {
   int32_t num_ranks = 1;
   int32_t num_scaleup_ranks = 1;
   int32_t max_num_sms = 1;               // the rank's CTA cap (RuntimeConfig::max_num_sms); launchers check it
+  int32_t max_ht_num_sms = 1;            // the HT dispatch / combine CTA cap (RuntimeConfig::max_ht_num_sms)
   int32_t call_serial = 0;               // the host's serial of the call launching with this view (error reports)
   uint8_t* const* peer_bases = nullptr;  // device array [num_ranks]: window base of rank p as this GPU sees it
   ErrorRecord* error = nullptr;          // host-mapped, device pointer
@@ -61,6 +62,16 @@ inline void check_grid_size(const DeviceView& view, const char* name, int num_ct
   EP_REQUIRE(num_ctas >= 1 && num_ctas <= view.max_num_sms,
              std::string(name) + " must be in [1, " + std::to_string(view.max_num_sms) +
                  "] (this rank's SM cap: device SMs divided by the ranks sharing the GPU), got " +
+                 std::to_string(num_ctas));
+}
+
+// The check of the HT kernels that synchronise their grid with the peers' kernels spinning
+// (notify, dispatch, combine): the rank's HT cap, which leaves room for compute on a shared GPU.
+inline void check_ht_grid_size(const DeviceView& view, const char* name, int num_ctas) {
+  EP_REQUIRE(num_ctas >= 1 && num_ctas <= view.max_ht_num_sms,
+             std::string(name) + " must be in [1, " + std::to_string(view.max_ht_num_sms) +
+                 "] (this rank's SM cap for HT kernels: every SM with one rank per GPU, half of the rank's share "
+                 "when ranks share a GPU), got " +
                  std::to_string(num_ctas));
 }
 

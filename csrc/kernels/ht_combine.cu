@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
 }  // namespace
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  check_grid_size(args.view, "num_sms", args.num_sms);
+  check_ht_grid_size(args.view, "num_sms", args.num_sms);
   check_call(args.view, args.call);
   check_combine_shape(args.call.num_topk, args.call.hidden);
   check_hybrid_routing(args.call, args.hybrid, args.num_tokens);

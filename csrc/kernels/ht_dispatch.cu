@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  check_grid_size(args.view, "num_sms", args.num_sms);
+  check_ht_grid_size(args.view, "num_sms", args.num_sms);
   check_call(args.view, args.call);
   const HtCall& call = args.call;
   EP_REQUIRE(args.num_tokens <= call.num_max_tokens(), "num_tokens (" + std::to_string(args.num_tokens) +

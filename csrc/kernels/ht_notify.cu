@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
 }  // namespace
 
 void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
-  check_grid_size(args.view, "num_sms", args.num_sms);
+  check_ht_grid_size(args.view, "num_sms", args.num_sms);
   check_call(args.view, args.call);
   EP_REQUIRE(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));

@@ -36,6 +36,10 @@ Runtime::Runtime(const RuntimeConfig& config) : config_(config) {
   if (config.max_num_sms < 1) {
     throw std::invalid_argument("max_num_sms must be >= 1, got " + std::to_string(config.max_num_sms));
   }
+  if (config.max_ht_num_sms < 0 || config.max_ht_num_sms > config.max_num_sms) {
+    throw std::invalid_argument("max_ht_num_sms must be in [0, max_num_sms=" + std::to_string(config.max_num_sms) +
+                                "] (0: max_num_sms), got " + std::to_string(config.max_ht_num_sms));
+  }
   if (config.scaleout == ScaleoutKind::kGin && config.backend != BackendKind::kNccl) {
     throw std::invalid_argument("the 'gin' scale-out transport needs backend 'nccl' (GIN works on an NCCL window)");
   }
@@ -146,6 +150,7 @@ void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
   view_.num_ranks = config_.num_ranks;
   view_.num_scaleup_ranks = config_.num_scaleup_ranks;
   view_.max_num_sms = config_.max_num_sms;
+  view_.max_ht_num_sms = config_.max_ht_num_sms > 0 ? config_.max_ht_num_sms : config_.max_num_sms;
   view_.peer_bases = peer_table_device_;
   view_.error = error_device_;
   view_.timeout_ns = static_cast<uint64_t>(config_.gpu_timeout_secs * 1e9);

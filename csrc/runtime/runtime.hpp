@@ -40,6 +40,10 @@ struct RuntimeConfig {
   // CTAs a communication kernel of this rank may launch: every CTA of a grid must be resident at
   // once (grid syncs, cross-rank spins), so ranks sharing a GPU split its SMs. Launchers check it.
   int max_num_sms = 1;
+  // CTAs an HT dispatch / combine kernel may launch (their grids synchronise as a whole): all of
+  // max_num_sms with one rank per GPU, less when ranks share a GPU so that the sharing ranks'
+  // spinning HT kernels leave room for compute (deep_ep.topology.ht_sm_cap). 0: max_num_sms.
+  int max_ht_num_sms = 0;
   // How hybrid mode reaches the ranks of other nodes (gin: they are on other hosts).
   ScaleoutKind scaleout = ScaleoutKind::kLsa;
 };

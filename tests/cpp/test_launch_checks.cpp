@@ -11,12 +11,13 @@
 namespace deep_ep {
 namespace {
 
-DeviceView view_with_cap(int max_num_sms) {
+DeviceView view_with_cap(int max_num_sms, int max_ht_num_sms = 0) {
   DeviceView view;
   view.rank = 0;
   view.num_ranks = 2;
   view.num_scaleup_ranks = 2;
   view.max_num_sms = max_num_sms;
+  view.max_ht_num_sms = max_ht_num_sms > 0 ? max_ht_num_sms : max_num_sms;
   return view;
 }
 
@@ -74,6 +75,41 @@ TEST(GridSizeCheck, HighThroughputLaunchersRefuseAGridAboveTheCap) {
   reduce.call = small_call();
   reduce.num_ctas = 7;
   EXPECT_NE(refusal([&] { ht::launch_combine_reduce(reduce, nullptr); }).find("got 7"), std::string::npos);
+}
+
+// Ranks sharing a GPU: the grid-synchronising HT kernels (notify, dispatch, combine) are held to the
+// HT cap, the copy epilogue and the reduce (no spin, no grid sync) to the rank's full share.
+TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
+  const std::string ht = refusal([] { check_ht_grid_size(view_with_cap(16, 8), "num_sms", 9); });
+  EXPECT_NE(ht.find("num_sms must be in [1, 8]"), std::string::npos) << ht;
+  EXPECT_NE(ht.find("SM cap for HT kernels"), std::string::npos) << ht;
+  EXPECT_NO_THROW(check_ht_grid_size(view_with_cap(16, 8), "num_sms", 8));
+
+  ht::NotifyArgs notify;
+  notify.view = view_with_cap(16, 8);
+  notify.call = small_call();
+  notify.num_sms = 9;
+  EXPECT_NE(refusal([&] { ht::launch_notify(notify, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
+
+  ht::DispatchArgs dispatch;
+  dispatch.view = view_with_cap(16, 8);
+  dispatch.call = small_call();
+  dispatch.num_sms = 9;
+  EXPECT_NE(refusal([&] { ht::launch_dispatch(dispatch, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
+
+  ht::CombineArgs combine;
+  combine.view = view_with_cap(16, 8);
+  combine.call = small_call();
+  combine.num_sms = 9;
+  EXPECT_NE(refusal([&] { ht::launch_combine(combine, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
+
+  // 12 CTAs: above the HT cap, within the full share. The epilogue's grid check passes (it then
+  // fails on its missing arrays, never on the grid size).
+  ht::EpilogueArgs epilogue;
+  epilogue.view = view_with_cap(16, 8);
+  epilogue.call = small_call();
+  epilogue.num_ctas = 12;
+  EXPECT_EQ(refusal([&] { check_grid_size(epilogue.view, "num_ctas", epilogue.num_ctas); }), "");
 }
 
 // The mode follows from the buffer's topology: a call described for another topology (a hybrid
