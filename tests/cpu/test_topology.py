@@ -212,3 +212,11 @@ def test_backend_none_reads_ep_backend(monkeypatch):
     monkeypatch.setenv("EP_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend must be"):
         choose_backend(requested_backend(None), False)
+
+
+def test_the_runtime_refuses_an_ht_cap_above_the_rank_share():
+    # The runtime checks its configuration before it touches a GPU: this runs without one.
+    from deep_ep import _C
+
+    with pytest.raises(ValueError, match=r"max_ht_num_sms must be in \[0, max_num_sms=4\].*got 8"):
+        _C.Runtime(0, 1, 1, 0, 0, 0, 10.0, 20.0, "ipc", 4, "lsa", 8)
