@@ -178,7 +178,7 @@ __device__ __forceinline__ bool wait_signal_landed(const DeviceView& view, const
   return wait_until(view, operation, phase, peer, static_cast<int64_t>(target), [&](int64_t& seen) {
     const uint64_t value = transport.read_signal(id);
     seen = static_cast<int64_t>(value);
-    *landed = value - shadow;
+    *landed = value >= shadow ? value - shadow : 0;  // never below the shadow; guarded all the same
     return value >= target;
   });
 }
