@@ -32,8 +32,10 @@ from deep_ep.topology import (
     emulated_ranks_per_node,
     gpu_is_shared,
     ht_sm_cap,
+    ll_uses_scaleout,
     mps_is_running,
     requested_backend,
+    requested_ll_scaleout,
     requested_scaleout_transport,
     sm_cap,
 )
@@ -234,12 +236,14 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.scaleout_rank_idx = topology.scaleout_rank_idx(self.rank_idx)
         self.scaleup_rank_idx = topology.scaleup_rank_idx(self.rank_idx)
         self.backend = choose_backend(backend, gpu_is_shared(all_facts))
-        if topology.spans_hosts and num_max_dispatch_tokens_per_rank > 0:
-            raise ValueError(
-                "low-latency mode needs every rank load/store reachable, but the ranks span several hosts "
-                f"(num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}); build an HT-only buffer "
-                "(num_max_dispatch_tokens_per_rank=0) there: LL over the scale-out transport is not implemented"
-            )
+        # LL reaches other nodes through the scale-out transport: across hosts always, between the
+        # virtual nodes of one host on request (EP_LL_SCALEOUT=1); otherwise by load/store.
+        self.ll_scaleout = ll_uses_scaleout(
+            num_max_dispatch_tokens_per_rank > 0,
+            topology.num_scaleout_ranks,
+            topology.spans_hosts,
+            settings["ll_scaleout"],
+        )
         # HT mode follows from the topology: hybrid when allowed and there is more than one node.
         self.ht_mode = "hybrid" if topology.num_scaleout_ranks > 1 else "direct"
         self.scaleout_transport = (
@@ -359,6 +363,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "backend": requested_backend(backend),
             "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
             "scaleout_transport": requested_scaleout_transport(),
+            "ll_scaleout": requested_ll_scaleout(),
             "num_cpu_bytes": num_cpu_bytes,
             "num_allocated_qps": num_allocated_qps,
             "enable_rank_masking": bool(enable_rank_masking),
@@ -452,6 +457,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 self._max_num_sms,
                 self.scaleout_transport or "lsa",
                 self._max_ht_num_sms,
+                self.ll_scaleout,
             )
 
         try:

@@ -122,6 +122,22 @@ def requested_scaleout_transport() -> str | None:
     return value or None
 
 
+def requested_ll_scaleout() -> bool:
+    """Env ``EP_LL_SCALEOUT=1``: LL reaches the ranks of other virtual nodes through the scale-out
+    transport too (for testing it on one host; across hosts it always does)."""
+    value = os.environ.get("EP_LL_SCALEOUT", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"EP_LL_SCALEOUT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def ll_uses_scaleout(has_ll_region: bool, num_scaleout_ranks: int, spans_hosts: bool, requested: bool) -> bool:
+    """Whether LL reaches the ranks of other nodes through the scale-out transport: always when
+    the ranks span hosts (no load/store there), on request between the virtual nodes of one host,
+    never with one node or without an LL region."""
+    return has_ll_region and num_scaleout_ranks > 1 and (spans_hosts or requested)
+
+
 def choose_scaleout_transport(spans_hosts: bool, requested: str | None, *, backend: str) -> str:
     """How hybrid mode moves bytes between nodes: 'lsa', 'lsa-deferred' or 'gin'.
 

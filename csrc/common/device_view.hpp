@@ -31,8 +31,11 @@ struct DeviceView {
   int32_t rank = 0;
   int32_t num_ranks = 1;
   int32_t num_scaleup_ranks = 1;
-  int32_t max_num_sms = 1;               // the rank's CTA cap (RuntimeConfig::max_num_sms); launchers check it
-  int32_t max_ht_num_sms = 1;            // the HT dispatch / combine CTA cap (RuntimeConfig::max_ht_num_sms)
+  int32_t max_num_sms = 1;     // the rank's CTA cap (RuntimeConfig::max_num_sms); launchers check it
+  int32_t max_ht_num_sms = 1;  // the HT dispatch / combine CTA cap (RuntimeConfig::max_ht_num_sms)
+  // LL: peers outside this rank's group of this many ranks (another node) are reached through the
+  // scale-out transport; 0: every peer by load/store.
+  int32_t ll_ranks_per_node = 0;
   int32_t call_serial = 0;               // the host's serial of the call launching with this view (error reports)
   uint8_t* const* peer_bases = nullptr;  // device array [num_ranks]: window base of rank p as this GPU sees it
   ErrorRecord* error = nullptr;          // host-mapped, device pointer

@@ -175,7 +175,10 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
 //                     [d] = operations on this area whose data rank d has released (send phases wait
 //                     for it, so a rank running ahead never overwrites data a slower peer still reads);
 //                     then [2] int32 (area 0 only): area and epoch of this rank's last send phase
-// No send staging: every LL peer is load/store reachable (scale-out LL is not implemented).
+//   staging           LL across nodes only (a transport put reads from the sender's window):
+//                     payload [T_ll][2 * hidden] (token t's bf16 row, or its fp8 row in the first
+//                     half), scales [T_ll][hidden/128] fp32, headers [E][T_ll] x 16 B (expert e's
+//                     header block). Per area, so operations on different areas never share it.
 constexpr int kLowLatencyAreas = 3;
 constexpr int kLowLatencyStateInts = 2;  // {area, epoch} of the last send phase, after the flags of area 0
 struct LowLatencyLayout {
@@ -188,6 +191,9 @@ struct LowLatencyLayout {
   int64_t dispatch_counts_offset = 0;
   int64_t combine_payload_offset = 0;
   int64_t combine_flags_offset = 0;
+  int64_t staging_payload_offset = 0;
+  int64_t staging_scales_offset = 0;
+  int64_t staging_headers_offset = 0;
   int64_t area_bytes = 0;    // one area, 2 MiB aligned
   int64_t region_bytes = 0;  // kLowLatencyAreas areas
   EP_HOST_DEVICE constexpr int64_t area_start(int area) const { return area * area_bytes; }
@@ -220,6 +226,12 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
   offset = align_up(offset + num_max_tokens * num_topk * hidden * 2, kSlotAlignBytes);
   layout.combine_flags_offset = offset;
   offset = align_up(offset + (int64_t{num_ranks} + kLowLatencyStateInts) * 4, kSlotAlignBytes);
+  layout.staging_payload_offset = offset;
+  offset = align_up(offset + num_max_tokens * hidden * 2, kSlotAlignBytes);
+  layout.staging_scales_offset = offset;
+  offset = align_up(offset + num_max_tokens * (hidden / kFp8GroupSize) * 4, kSlotAlignBytes);
+  layout.staging_headers_offset = offset;
+  offset = align_up(offset + int64_t{num_experts} * num_max_tokens * kLowLatencyMessageHeaderBytes, kSlotAlignBytes);
   layout.area_bytes = align_up(offset, kWindowAlignBytes);
   layout.region_bytes = kLowLatencyAreas * layout.area_bytes;
   return layout;
@@ -233,7 +245,15 @@ constexpr int kSignalBarrier = 0;               // + source node: rail barrier a
 constexpr int kSignalNotify = kMaxNodes;        // + source node: notify counts message landed
 constexpr int kSignalPartials = 2 * kMaxNodes;  // + source node: combine partial rows landed (row count)
 constexpr int kSignalRows = 3 * kMaxNodes;      // + source node * channels + channel: dispatch rows landed
-constexpr int kMaxScaleoutSignals = kSignalRows + kMaxNodes * kMaxChannels;
+// LL across nodes: arrival of (area, local expert l, source s) at l * R + s; each operation adds
+// n + 1 (+ kLowLatencyFailedFlag when the source's input failed) once per (l, s).
+constexpr int kSignalLlArrival = kSignalRows + kMaxNodes * kMaxChannels;
+// LL across nodes: + area * kMaxRanks + source: operations on that area the source has released.
+constexpr int kSignalLlRelease = kSignalLlArrival + kLowLatencyAreas * kMaxExperts;
+constexpr int kMaxScaleoutSignals = kSignalLlRelease + kLowLatencyAreas * kMaxRanks;
+// Added to an LL arrival when the source's input failed (no rows); above any count an arrival
+// carries (T_ll + 1: the launchers check T_ll < this).
+constexpr int64_t kLowLatencyFailedFlag = int64_t{1} << 24;
 // Hybrid notify message to one node: [S rank counts][S * L expert counts][channels + 1 row prefix];
 // the messages to all nodes together hold R + E + N * (channels + 1) ints, each padded to 16 bytes.
 constexpr int64_t kMaxNotifyMessageInts = kMaxRanks + kMaxExperts + int64_t{kMaxNodes} * (kMaxChannels + 4);
@@ -272,7 +292,10 @@ struct WorkspaceLayout {
   static constexpr int64_t scaleout_shadows_offset = scaleout_signals_offset + int64_t{kMaxScaleoutSignals} * 8;
   static constexpr int64_t notify_send_offset = scaleout_shadows_offset + int64_t{kMaxScaleoutSignals} * 8;
   static constexpr int64_t notify_recv_offset = notify_send_offset + kMaxNotifyMessageInts * 4;
-  static constexpr int64_t used_bytes = notify_recv_offset + kMaxNotifyMessageInts * 4;
+  // LL across nodes: [area][peer] int32, the release count this rank last signalled to that peer
+  // for that area (signals only add: the next release adds the difference). Persistent.
+  static constexpr int64_t ll_published_offset = notify_recv_offset + kMaxNotifyMessageInts * 4;
+  static constexpr int64_t used_bytes = ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 4;
   static constexpr int64_t bytes = align_up(used_bytes, kWindowAlignBytes);
 };
 

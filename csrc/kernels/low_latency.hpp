@@ -27,6 +27,12 @@
 //   * a rank whose input failed its host checks sends with no data and `input_failed`: every CTA
 //     sets its input-failed cell in every peer before publishing arrival cells; receivers record
 //     it (not fatal) after acquiring a cell of that peer.
+//   * across nodes (DeviceView::ll_ranks_per_node > 0): a peer of another node is reached through
+//     the scale-out transport instead of stores. Rows are staged in the sender's window and put;
+//     the arrival of (l, s) is signal kSignalLlArrival (area, l, s), which grows by n + 1 per
+//     operation (+ kLowLatencyFailedFlag for a failed input) and is never reset (the receiver
+//     keeps a shadow); releases are signals kSignalLlRelease (area, s) holding the released count
+//     itself. One signal covers the puts its CTA issued before it (the whole CTA is the group).
 //   * rank masking (opt-in, `rank_mask`): a masked peer is skipped by every send (no rows, no
 //     arrival cell, no release) and every wait (its arrivals count as 0 rows); a wait on a peer that
 //     passes the deadline masks it instead of failing. Survivors stay in step with each other: each
@@ -44,6 +50,7 @@
 #if defined(__CUDACC__)
 #include "kernels/barrier.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/scaleout.cuh"
 #include "kernels/timeout.cuh"
 #endif
 
@@ -150,6 +157,59 @@ __device__ __forceinline__ int32_t* flags_cell(const DeviceView& view, int rank,
   return view.peer<int32_t>(rank, area_offset + layout.combine_flags_offset + int64_t{about_rank} * 4);
 }
 
+// LL across nodes: `peer` sits on another node and is reached through the scale-out transport.
+__device__ __forceinline__ bool via_transport(const DeviceView& view, int peer) {
+  return view.ll_ranks_per_node > 0 && peer / view.ll_ranks_per_node != view.rank / view.ll_ranks_per_node;
+}
+
+// Signal ids at the receiving rank (geometry.hpp).
+__device__ __forceinline__ int arrival_signal(const DeviceView& view, int area, int local_expert, int source) {
+  return kSignalLlArrival + area * kMaxExperts + local_expert * view.num_ranks + source;
+}
+__device__ __forceinline__ int release_signal(int area, int source) {
+  return kSignalLlRelease + area * kMaxRanks + source;
+}
+
+// Tells transport peer `peer` that this rank released `released` operations of `area`. Signals
+// only add, so this adds what was not published yet; atomicMax on the last published count keeps
+// that exact when send kernels of other areas (other streams) publish at the same time. The counts
+// of an area only grow (docs/low_latency.md), so nothing is ever taken back.
+__device__ __forceinline__ void publish_release_signal(const DeviceView& view, int area, int peer, int32_t released) {
+  int32_t* last = view.local<int32_t>(WorkspaceLayout::ll_published_offset + (int64_t{area} * kMaxRanks + peer) * 4);
+  const int32_t before = atomicMax(last, released);
+  if (released > before) scaleout::signal_only(view, peer, release_signal(area, view.rank), released - before);
+}
+
+// Release of `released` operations of area `area` (window offset `area_offset`) to `peer`.
+__device__ __forceinline__ void publish_release(const DeviceView& view, const LowLatencyLayout& layout, int area,
+                                                int64_t area_offset, int peer, int32_t released) {
+  if (via_transport(view, peer)) {
+    publish_release_signal(view, area, peer, released);
+  } else {
+    ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), released);
+  }
+}
+
+// How many operations of area `area` (at `area_offset`) `peer` has released to this rank (acquire).
+__device__ __forceinline__ int64_t released_by(const DeviceView& view, const LowLatencyLayout& layout, int area,
+                                               int64_t area_offset, int peer) {
+  if (via_transport(view, peer))
+    return static_cast<int64_t>(scaleout::read_own_signal(view, release_signal(area, peer)));
+  return ptx::ld_acquire_sys(flags_cell(view, view.rank, layout, area_offset, peer));
+}
+
+// The lsa-deferred queue of a send CTA that uses the transport (its group is the whole CTA);
+// nullptr, and no shared memory, otherwise.
+template <bool kEnabled>
+__device__ __forceinline__ scaleout::DeferredQueue* transport_queue() {
+  if constexpr (kEnabled) {
+    __shared__ scaleout::DeferredQueue queue;
+    return &queue;
+  } else {
+    return nullptr;
+  }
+}
+
 // Epoch of the operation being sent: one more than the operations whose receive phase already ran
 // on this area. Only receive kernels write ready[me] in my window, and they are stream-ordered
 // around send kernels, so every CTA of a send kernel reads the same value.
@@ -163,27 +223,34 @@ __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowL
 // publishes). CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each
 // CTA then waits until every peer released epoch - 1 operations here — normally already true, from
 // the peer's previous send. Returns false on timeout (the CTA must not write then).
-__device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t area_offset,
-                                           int32_t epoch, Operation operation, bool input_failed, int32_t* rank_mask) {
+__device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int area,
+                                           int64_t area_offset, int32_t epoch, Operation operation, bool input_failed,
+                                           int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  if (input_failed) announce_input_failed(view);
+  if (input_failed) {
+    // Peers on other nodes learn it from the arrival signals (kLowLatencyFailedFlag) instead.
+    for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
+      if (peer != view.rank && view.peer_bases[peer] != nullptr && !via_transport(view, peer)) {
+        ptx::st_relaxed_sys(view.peer<int32_t>(peer, WorkspaceLayout::input_failed_offset + int64_t{view.rank} * 4), 1);
+      }
+    }
+  }
   if (blockIdx.x == 0) {
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
       // the peer's writes into it.
       if (peer != view.rank && !peer_masked(rank_mask, peer)) {
-        ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), epoch - 1);
+        publish_release(view, layout, area, area_offset, peer, epoch - 1);
       }
     }
   }
   __syncthreads();
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
     if (peer == view.rank) continue;  // my own area is free by stream order
-    const int32_t* cell = flags_cell(view, view.rank, layout, area_offset, peer);
     const WaitResult result =
         wait_or_mask(view, rank_mask, operation, Phase::kBarrierArrive, peer, epoch - 1, [&](int64_t& seen) {
-          seen = ptx::ld_acquire_sys(cell);
+          seen = released_by(view, layout, area, area_offset, peer);
           return seen >= epoch - 1;
         });
     if (result == WaitResult::kFailed) atomicExch(&failed, 1);
@@ -227,7 +294,7 @@ __device__ __forceinline__ void end_send(const DeviceView& view, const LowLatenc
     }
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       if (peer != view.rank && !peer_masked(rank_mask, peer)) {
-        ptx::st_release_sys(flags_cell(view, peer, layout, other_offset, view.rank), released);
+        publish_release(view, layout, other, other_offset, peer, released);
       }
     }
   }

@@ -7,6 +7,14 @@
 // dispatch area), so each row is copied straight to rank s at [token][slot]. When the whole CTA is
 // done with a round, one thread per unit publishes n + 1 into rank s's arrival cell [l][me]
 // (system-scope release): the receiver has every row once all L * R cells are set.
+//
+// Across nodes (kScaleout): a row for a rank of another node is staged in this rank's own dispatch
+// area, in the payload row (l, s, i) of the dispatch it answers (bf16 stride: the area is sized for
+// bf16), and put to [token][slot]; after the round the CTA adds n + 1 to that rank's arrival signal
+// (l, me), which covers the CTA's puts. The dispatch's rows there were already copied out (compact
+// rows); with per-source (zero-copy) rows they are the caller's recv_x, which the combine thus
+// overwrites for the rows of other nodes (docs/low_latency.md, lifetime rules). The receive side
+// waits on those signals (never reset: the last CTA advances the shadows).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -33,9 +41,31 @@ constexpr int kCopyUnroll = 16;     // 16-byte vectors in flight per lane (send)
 constexpr int kReduceUnroll = 2;    // vectors per lane reduced together (receive)
 constexpr int kSlotsInFlight = 4;   // top-k slots loaded before they are summed (receive)
 
+// Across nodes: row i of unit (l, s) to rank s through the transport (see the file comment).
+// Warp-collective.
+__device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scaleout::Transport& transport, int source,
+                                        int64_t dispatch_row, const int4* x_row, int token, int slot, int lane) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_vectors = args.hidden / 8;
+  const int64_t row_bytes = int64_t{args.hidden} * 2;
+  const int64_t staging = args.dispatch_area_offset + layout.dispatch_payload_offset + dispatch_row * row_bytes;
+  int4* stage = args.view.local<int4>(staging);
+  if (x_row == nullptr) {
+    // This rank's input failed: its expert outputs count as zero.
+    for (int index = lane; index < num_vectors; index += 32) stage[index] = make_int4(0, 0, 0, 0);
+  } else if (x_row != stage) {  // expert outputs written in place (zero-copy) are staged already
+    for (int index = lane; index < num_vectors; index += 32) stage[index] = ptx::ld_nc_v4(x_row + index);
+  }
+  transport.put(
+      source, args.area_offset + layout.combine_payload_offset + (int64_t{token} * layout.num_topk + slot) * row_bytes,
+      staging, row_bytes);
+}
+
+template <bool kScaleout>
 __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
   __shared__ int unit_counts[kUnitsPerRound];
   __shared__ int64_t unit_first_x_row[kUnitsPerRound];
+  __shared__ int unit_via_transport[kUnitsPerRound];
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
@@ -44,8 +74,12 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int lane = static_cast<int>(threadIdx.x % 32);
 
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlCombine, args.input_failed,
-                              args.rank_mask)) {
+  // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
+  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
+  if constexpr (kScaleout) transport.init(group);
+  if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlCombine,
+                              args.input_failed, args.rank_mask)) {
     const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
     const auto* rows = static_cast<const int4*>(args.x);
     const int num_units = layout.num_local_experts * num_ranks;
@@ -73,6 +107,11 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
         }
         unit_first_x_row[threadIdx.x] = first_x_row;
+        // Decided once per round: a mask may change meanwhile, and every thread must take part in
+        // the same signals.
+        unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
+                                          low_latency::via_transport(view, unit % num_ranks) &&
+                                          !peer_masked(args.rank_mask, unit % num_ranks);
       }
       __syncthreads();
 
@@ -90,6 +129,11 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           const int token = header.x;
           const int slot = header.y;
           if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+          if (kScaleout && unit_via_transport[j] != 0) {
+            put_row(args, transport, unit % num_ranks, row,
+                    rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
+            continue;
+          }
           int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
           if (rows == nullptr) {
             // This rank's input failed: its expert outputs count as zero, not as stale slot data.
@@ -102,9 +146,21 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
       }
       __syncthreads();
 
+      if constexpr (kScaleout) {
+        // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
+        for (int j = 0; j < kUnitsPerRound; ++j) {
+          if (unit_via_transport[j] == 0) continue;
+          const int unit = unit_of(j);
+          const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
+                               (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
+          transport.signal(group, unit % num_ranks,
+                           low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add);
+        }
+      }
       if (threadIdx.x < kUnitsPerRound) {
         const int unit = unit_of(threadIdx.x);
-        if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks)) {
+        if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
+            !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
           // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
           ptx::fence_acq_rel_sys();
           ptx::st_release_sys(
@@ -114,6 +170,8 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
       }
       __syncthreads();  // unit_counts is rewritten by the next round
     }
+    // Every source this CTA put may be rewritten by the next operation.
+    if constexpr (kScaleout) transport.flush(group);
   }
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
@@ -145,18 +203,34 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
   const long long start = clock64();
   for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
     const int source = cell_index % num_ranks;
-    const int32_t* cell =
-        low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
-    const WaitResult result =
-        wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-          seen = ptx::ld_acquire_sys(cell);
-          return seen != 0;
-        });
-    if (result == WaitResult::kFailed) {
-      atomicExch(&failed, 1);
-    } else if (result == WaitResult::kArrived && blockIdx.x == 0) {
-      collect_input_failed(view, Operation::kLlCombine, source);  // announced before the cell's release
+    WaitResult result;
+    if (low_latency::via_transport(view, source)) {
+      // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
+      const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+      const uint64_t before = *scaleout::shadow_cell(view, id);
+      uint64_t signal = 0;
+      result =
+          wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
+            signal = scaleout::read_own_signal(view, id);
+            seen = signal > before ? static_cast<int64_t>(signal - before) : 0;
+            return seen != 0;
+          });
+      if (result == WaitResult::kArrived && blockIdx.x == 0 && signal - before >= kLowLatencyFailedFlag) {
+        record_peer_failed(view, Operation::kLlCombine, source);
+      }
+    } else {
+      const int32_t* cell =
+          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+      result =
+          wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
+            seen = ptx::ld_acquire_sys(cell);
+            return seen != 0;
+          });
+      if (result == WaitResult::kArrived && blockIdx.x == 0) {
+        collect_input_failed(view, Operation::kLlCombine, source);  // announced before the cell's release
+      }
     }
+    if (result == WaitResult::kFailed) atomicExch(&failed, 1);
     // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
     if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
@@ -177,9 +251,18 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     // Every CTA has seen every cell; the senders write them again only after this rank's next
     // operation on the area has started (after this kernel).
     for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-      ptx::st_relaxed_sys(low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks,
-                                                    cell_index % num_ranks),
-                          0);
+      const int source = cell_index % num_ranks;
+      if (low_latency::via_transport(view, source)) {
+        // The signal holds exactly this operation's addition (the source's next one needs this
+        // rank's release of the area, after this kernel); a masked source's is not consumed.
+        if (!peer_masked(args.rank_mask, source)) {
+          const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+          *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
+        }
+        continue;
+      }
+      ptx::st_relaxed_sys(
+          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source), 0);
     }
     if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
   }
@@ -256,7 +339,11 @@ void check_args(const LowLatencyCombineArgs& args) {
 void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   check_args(args);
   const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts * args.view.num_ranks);
-  combine_send_kernel<<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  if (args.view.ll_ranks_per_node > 0) {
+    combine_send_kernel<true><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  } else {
+    combine_send_kernel<false><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  }
   EP_CHECK_LAUNCH("low_latency_combine_send");
 }
 
@@ -271,7 +358,8 @@ void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStre
 }
 
 void preload_low_latency_combine_kernels() {
-  preload_kernel(combine_send_kernel, "ll combine send");
+  preload_kernel(combine_send_kernel<false>, "ll combine send");
+  preload_kernel(combine_send_kernel<true>, "ll combine send across nodes");
   preload_kernel(combine_recv_kernel, "ll combine receive");
 }
 

@@ -9,6 +9,14 @@
 // {source token, top-k slot}; finally one thread per expert publishes count + 1 into the
 // destination's arrival cell [l][me] with a system-scope release covering the whole round.
 // Experts nobody selected still publish (count 0 -> 1), so the receiver waits for every cell.
+//
+// Across nodes (kScaleout): a destination on another node gets the row through the scale-out
+// transport. The warp stages the token's message (bf16, or quantised to fp8) in its row of this
+// area's staging block and the row's header in the expert's header block, then puts the payload
+// (and the scales); after the round one warp per expert puts the header block and the CTA adds
+// count + 1 to the destination's arrival signal, which covers every put of the CTA before it.
+// Several warps may stage the same token at once (it selected several experts): they write the
+// same bytes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,16 +49,23 @@ __device__ __forceinline__ void send_bf16_row(const LowLatencyDispatchArgs& args
   low_latency::warp_copy_row<kBf16Unroll>(dst, src, num_vectors, lane);
 }
 
+// Token `token`'s bf16 row into its staging row (this rank's window), with plain stores: a put of
+// the same warp (or, lsa-deferred, of the CTA after its barrier) reads it back.
+__device__ __forceinline__ void stage_bf16_row(const LowLatencyDispatchArgs& args, int token, int lane) {
+  const int num_vectors = args.hidden / 8;
+  const auto* src = reinterpret_cast<const int4*>(args.x) + int64_t{token} * num_vectors;
+  int4* dst =
+      args.view.local<int4>(args.area_offset + args.layout.staging_payload_offset) + int64_t{token} * num_vectors;
+  for (int index = lane; index < num_vectors; index += 32) dst[index] = ptx::ld_nc_v4(src + index);
+}
+
 // The payload area is sized for bf16; fp8 rows use its first half with row stride H bytes, so the
 // receiver's view is a plain [L, R * T_ll, H] fp8 tensor. Each half-warp owns one 128-channel group
 // (16 lanes x 8 channels); its amax is reduced with shuffles inside the half-warp.
-__device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
-                                             int lane) {
+__device__ __forceinline__ void write_fp8_row(const LowLatencyDispatchArgs& args, int token, uint8_t* dst,
+                                              float* dst_scales, int lane) {
   const int num_groups = args.hidden / kFp8GroupSize;
   const auto* src = reinterpret_cast<const int4*>(args.x) + int64_t{token} * (args.hidden / 8);
-  auto* dst = args.view.peer<uint8_t>(dest, args.area_offset + args.layout.dispatch_payload_offset) + row * args.hidden;
-  auto* dst_scales =
-      args.view.peer<float>(dest, args.area_offset + args.layout.dispatch_scales_offset) + row * num_groups;
   const int half = lane / 16;
   const int sub = lane % 16;
   for (int first = 0; first < num_groups; first += 2 * kFp8Unroll) {
@@ -85,10 +100,58 @@ __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args,
   }
 }
 
-// The rounds of the dispatch send kernel (after the area gate): see the file comment.
+__device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
+                                             int lane) {
+  const int num_groups = args.hidden / kFp8GroupSize;
+  auto* dst = args.view.peer<uint8_t>(dest, args.area_offset + args.layout.dispatch_payload_offset) + row * args.hidden;
+  auto* dst_scales =
+      args.view.peer<float>(dest, args.area_offset + args.layout.dispatch_scales_offset) + row * num_groups;
+  write_fp8_row(args, token, dst, dst_scales, lane);
+}
+
+// Token `token` quantised into its staging row (fp8 in the first `hidden` bytes) and scales.
+__device__ __forceinline__ void stage_fp8_row(const LowLatencyDispatchArgs& args, int token, int lane) {
+  const int num_groups = args.hidden / kFp8GroupSize;
+  const LowLatencyLayout& layout = args.layout;
+  auto* dst =
+      args.view.local<uint8_t>(args.area_offset + layout.staging_payload_offset) + int64_t{token} * 2 * args.hidden;
+  auto* dst_scales =
+      args.view.local<float>(args.area_offset + layout.staging_scales_offset) + int64_t{token} * num_groups;
+  write_fp8_row(args, token, dst, dst_scales, lane);
+}
+
+// Across nodes: row `row` of expert `expert` (its i-th token, `entry`) to `dest` through the
+// transport: stage the message and the header, put payload and scales. Warp-collective.
 template <bool kUseFp8>
+__device__ __forceinline__ void put_row(const LowLatencyDispatchArgs& args, scaleout::Transport& transport, int dest,
+                                        int expert, int i, int64_t row, int32_t entry, int lane) {
+  const LowLatencyLayout& layout = args.layout;
+  const int token = entry >> kSlotBits;
+  if constexpr (kUseFp8) {
+    stage_fp8_row(args, token, lane);
+  } else {
+    stage_bf16_row(args, token, lane);
+  }
+  if (lane == 0) {
+    int4* header = args.view.local<int4>(args.area_offset + layout.staging_headers_offset) +
+                   int64_t{expert} * layout.num_max_tokens + i;
+    *header = make_int4(token, entry & ((1 << kSlotBits) - 1), 0, 0);
+  }
+  const int64_t payload_bytes = kUseFp8 ? int64_t{args.hidden} : int64_t{args.hidden} * 2;
+  transport.put(dest, args.area_offset + layout.dispatch_payload_offset + row * payload_bytes,
+                args.area_offset + layout.staging_payload_offset + int64_t{token} * 2 * args.hidden, payload_bytes);
+  if constexpr (kUseFp8) {
+    const int64_t scale_bytes = int64_t{args.hidden / kFp8GroupSize} * 4;  // a multiple of 16 (launcher check)
+    transport.put(dest, args.area_offset + layout.dispatch_scales_offset + row * scale_bytes,
+                  args.area_offset + layout.staging_scales_offset + int64_t{token} * scale_bytes, scale_bytes);
+  }
+}
+
+// The rounds of the dispatch send kernel (after the area gate): see the file comment.
+template <bool kUseFp8, bool kScaleout>
 __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, const int16_t* expert_ids,
-                                            int32_t* lists, int* list_sizes, int experts_per_round) {
+                                            int32_t* lists, int* list_sizes, int experts_per_round,
+                                            scaleout::Transport& transport, const scaleout::WarpGroup& group) {
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_tokens = args.num_tokens;
@@ -138,10 +201,15 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
       const int first_i =
           peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
+      const bool remote = kScaleout && low_latency::via_transport(view, dest);
       for (int i = first_i; i < count; i += kSendWarps) {
         const int32_t entry = lists[j * num_tokens + i];
         const int token = entry >> kSlotBits;
         const int64_t row = first_row + i;
+        if (remote) {
+          put_row<kUseFp8>(args, transport, dest, expert, i, row, entry, lane);
+          continue;
+        }
         if constexpr (kUseFp8) {
           send_fp8_row(args, dest, row, token, lane);
         } else {
@@ -156,9 +224,43 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
     }
     __syncthreads();
 
+    if constexpr (kScaleout) {
+      // Header blocks (one warp per expert), then one arrival signal per expert: the CTA is the
+      // group, so each signal covers the puts every warp of the CTA issued to that peer. Whether
+      // an expert's rank gets a signal is decided once (a mask may change meanwhile, and every
+      // thread must take part in the same signals).
+      __shared__ int signal_expert[kSendWarps];
+      if (static_cast<int>(threadIdx.x) < experts_per_round) {
+        const int expert = expert_of(threadIdx.x);
+        signal_expert[threadIdx.x] = expert < args.num_experts &&
+                                     low_latency::via_transport(view, expert / num_local) &&
+                                     !peer_masked(args.rank_mask, expert / num_local);
+      }
+      __syncthreads();
+      for (int j = warp; j < experts_per_round; j += kSendWarps) {
+        if (signal_expert[j] == 0 || list_sizes[j] == 0) continue;
+        const int expert = expert_of(j);
+        const int dest = expert / num_local;
+        const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
+        transport.put(dest,
+                      args.area_offset + layout.dispatch_headers_offset + first_row * kLowLatencyMessageHeaderBytes,
+                      args.area_offset + layout.staging_headers_offset +
+                          int64_t{expert} * layout.num_max_tokens * kLowLatencyMessageHeaderBytes,
+                      int64_t{list_sizes[j]} * kLowLatencyMessageHeaderBytes);
+      }
+      for (int j = 0; j < experts_per_round; ++j) {
+        if (signal_expert[j] == 0) continue;
+        const int expert = expert_of(j);
+        const int dest = expert / num_local;
+        const uint64_t add = static_cast<uint64_t>(list_sizes[j]) + 1 +
+                             (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
+        transport.signal(group, dest, low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add);
+      }
+    }
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);
-      if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local)) {
+      if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local) &&
+          !(kScaleout && low_latency::via_transport(view, expert / num_local))) {
         // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
         // before the count; the receiver's acquire of the count then covers them.
         ptx::fence_acq_rel_sys();
@@ -171,7 +273,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
   }
 }
 
-template <bool kUseFp8>
+template <bool kUseFp8, bool kScaleout>
 __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
     dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
   extern __shared__ __align__(16) uint8_t shared[];
@@ -190,10 +292,17 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
     expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
                                                         i / num_topk, i % num_topk, args.num_experts));
   }
+  // The whole CTA is the transport group (barrier 1; __syncthreads is barrier 0). The queue is
+  // reset here and first used after begin_send's __syncthreads.
+  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
+  if constexpr (kScaleout) transport.init(group);
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
-  if (low_latency::begin_send(view, layout, args.area_offset, epoch, Operation::kLlDispatch, args.input_failed,
-                              args.rank_mask)) {
-    send_rounds<kUseFp8>(args, expert_ids, lists, list_sizes, experts_per_round);
+  if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlDispatch,
+                              args.input_failed, args.rank_mask)) {
+    send_rounds<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round, transport, group);
+    // Every source this CTA put may be rewritten by the next operation on this area.
+    if constexpr (kScaleout) transport.flush(group);
   }
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
@@ -247,25 +356,47 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   const long long start = clock64();
   for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-      int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);
-      int32_t value = 0;
-      // A masked source (or one masked by this wait) sent nothing: 0 rows.
-      const bool arrived = wait_or_mask(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive, source, 1,
-                                        [&](int64_t& seen) {
-                                          value = ptx::ld_acquire_sys(cell);
-                                          seen = value;
-                                          return value != 0;
-                                        }) == WaitResult::kArrived;
+      int64_t value = 0;  // count + 1 (+ kLowLatencyFailedFlag across nodes when its input failed)
+      bool arrived = false;
+      if (low_latency::via_transport(view, source)) {
+        // Across nodes: this thread is the only reader of the (area, l, s) signal; one operation
+        // adds to it once, so what it grew by since the shadow is this operation's arrival.
+        const int id = low_latency::arrival_signal(view, args.area, local, source);
+        uint64_t* shadow = scaleout::shadow_cell(view, id);
+        const uint64_t before = *shadow;
+        arrived = wait_or_mask(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive, source, 1,
+                               [&](int64_t& seen) {
+                                 const uint64_t signal = scaleout::read_own_signal(view, id);
+                                 value = signal > before ? static_cast<int64_t>(signal - before) : 0;
+                                 seen = value;
+                                 return value != 0;
+                               }) == WaitResult::kArrived;
+        if (arrived) {
+          *shadow = before + static_cast<uint64_t>(value);
+          if (value >= kLowLatencyFailedFlag) record_peer_failed(view, Operation::kLlDispatch, source);
+          value %= kLowLatencyFailedFlag;
+        }
+      } else {
+        int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);
+        // A masked source (or one masked by this wait) sent nothing: 0 rows.
+        arrived = wait_or_mask(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive, source, 1,
+                               [&](int64_t& seen) {
+                                 value = ptx::ld_acquire_sys(cell);
+                                 seen = value;
+                                 return value != 0;
+                               }) == WaitResult::kArrived;
+        if (arrived) collect_input_failed(view, Operation::kLlDispatch, source);  // announced before the cell
+        ptx::st_relaxed_sys(cell, 0);
+      }
       if (args.wait_cost_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
                   static_cast<unsigned long long>(clock64() - start));
       }
-      if (arrived) collect_input_failed(view, Operation::kLlDispatch, source);  // announced before the cell
       // Clamped so that a corrupted count can never address past the source's slots.
-      const int32_t count = arrived ? min(max(value - 1, 0), static_cast<int32_t>(num_max_tokens)) : 0;
+      const int32_t count =
+          arrived ? static_cast<int32_t>(min(max(value - 1, int64_t{0}), int64_t{num_max_tokens})) : 0;
       args.count_per_source[int64_t{local} * num_ranks + source] = count;
       first_row[source] = count;
-      ptx::st_relaxed_sys(cell, 0);
     }
     __syncthreads();
     if (warp == 0) {
@@ -347,18 +478,26 @@ void check_args(const LowLatencyDispatchArgs& args) {
   }
   EP_REQUIRE(args.recv_x == nullptr || !args.use_fp8 || args.recv_scales != nullptr,
              "an fp8 dispatch with compact rows needs recv_scales");
+  if (args.view.ll_ranks_per_node > 0) {
+    // A transport put moves whole 16-byte vectors: an fp8 row's H/128 fp32 scales must fill them.
+    EP_REQUIRE(!args.use_fp8 || (args.hidden / kFp8GroupSize) % 4 == 0,
+               "an fp8 low-latency dispatch across nodes needs hidden to be a multiple of 512 (its scales travel "
+               "in 16-byte units), got " +
+                   std::to_string(args.hidden));
+  }
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
-int max_dynamic_shared_bytes() {
+// Room for the kernel's static shared memory: 1 KiB, plus the transport queue across nodes.
+int max_dynamic_shared_bytes(bool scaleout) {
   static const int bytes = [] {
     int device = 0;
     int value = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    return value - 1024;  // room for the kernel's static shared memory
+    return value - 1024;
   }();
-  return bytes;
+  return scaleout ? bytes - static_cast<int>(sizeof(scaleout::DeferredQueue)) : bytes;
 }
 
 }  // namespace
@@ -380,7 +519,8 @@ void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int n
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   check_args(args);
   const auto ids_bytes = [](int64_t tokens, int64_t topk) { return align_up(tokens * topk * 2, 16); };
-  const int64_t budget = max_dynamic_shared_bytes();
+  const bool scaleout = args.view.ll_ranks_per_node > 0;
+  const int64_t budget = max_dynamic_shared_bytes(scaleout);
   // Decided from the buffer's sizing, not from this call's T: every rank must fail alike, or the
   // ranks that launched would wait for the one that did not.
   const int64_t worst = ids_bytes(args.layout.num_max_tokens, args.layout.num_topk) + args.layout.num_max_tokens * 4;
@@ -394,7 +534,9 @@ void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaSt
       list_bytes == 0 ? kSendWarps
                       : static_cast<int>(std::min<int64_t>(kSendWarps, (budget - routing_bytes) / list_bytes));
   const int64_t shared_bytes = routing_bytes + experts_per_round * list_bytes;
-  const auto kernel = args.use_fp8 ? dispatch_send_kernel<true> : dispatch_send_kernel<false>;
+  const auto kernel = scaleout
+                          ? (args.use_fp8 ? dispatch_send_kernel<true, true> : dispatch_send_kernel<false, true>)
+                          : (args.use_fp8 ? dispatch_send_kernel<true, false> : dispatch_send_kernel<false, false>);
   if (shared_bytes > kDefaultDynamicSharedBytes) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
   }
@@ -411,8 +553,10 @@ void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaSt
 }
 
 void preload_low_latency_dispatch_kernels() {
-  preload_kernel(dispatch_send_kernel<true>, "ll dispatch send (fp8)");
-  preload_kernel(dispatch_send_kernel<false>, "ll dispatch send (bf16)");
+  preload_kernel(dispatch_send_kernel<true, false>, "ll dispatch send (fp8)");
+  preload_kernel(dispatch_send_kernel<false, false>, "ll dispatch send (bf16)");
+  preload_kernel(dispatch_send_kernel<true, true>, "ll dispatch send across nodes (fp8)");
+  preload_kernel(dispatch_send_kernel<false, true>, "ll dispatch send across nodes (bf16)");
   preload_kernel(dispatch_recv_kernel, "ll dispatch receive");
 }
 

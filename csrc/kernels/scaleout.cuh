@@ -63,6 +63,23 @@ __device__ __forceinline__ uint64_t* shadow_cell(const DeviceView& view, int id)
   return view.local<uint64_t>(WorkspaceLayout::scaleout_shadows_offset + int64_t{id} * 8);
 }
 
+// One thread: signal `id` at `peer` += `add`, covering no put: a release of memory this rank is
+// done with (its accesses are ordered before the call by the caller: stream order, a fence or an
+// acq_rel counter). lsa / lsa-deferred: a system-scope release add; gin: a signal on this CTA's context.
+__device__ __forceinline__ void signal_only(const DeviceView& view, int peer, int id, uint64_t add) {
+  if (view.scaleout.kind == ScaleoutKind::kGin) {
+    gin::signal(view, peer, id, add);
+  } else {
+    ptx::red_add_release_sys(signal_cell(view, peer, id), add);
+  }
+}
+
+// This rank's signal `id` (acquire), outside a Transport.
+__device__ __forceinline__ uint64_t read_own_signal(const DeviceView& view, int id) {
+  if (view.scaleout.kind == ScaleoutKind::kGin) return gin::read_signal(view, id);
+  return ptx::ld_acquire_sys_u64(signal_cell(view, view.rank, id));
+}
+
 // `bytes` of 16-byte vectors from this rank's window to `peer`'s, by one warp. The source may have
 // been written by this launch (plain loads, not the non-coherent path).
 __device__ __forceinline__ void warp_copy_window(const DeviceView& view, int peer, int64_t dst, int64_t src,
@@ -136,10 +153,7 @@ class Transport {
     }
   }
 
-  __device__ uint64_t read_signal(int id) const {
-    if (view_.scaleout.kind == ScaleoutKind::kGin) return gin::read_signal(view_, id);
-    return ptx::ld_acquire_sys_u64(signal_cell(view_, view_.rank, id));
-  }
+  __device__ uint64_t read_signal(int id) const { return read_own_signal(view_, id); }
 
  private:
   // lsa-deferred: copy the pending puts to `peer` (-1: to every peer), then forget them.

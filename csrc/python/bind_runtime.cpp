@@ -21,7 +21,8 @@ void register_runtime(py::module_& m) {
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int num_scaleup_ranks, int device, int64_t ht_region_bytes,
                        int64_t ll_region_bytes, double gpu_timeout_secs, double cpu_timeout_secs,
-                       const std::string& backend, int max_num_sms, const std::string& scaleout, int max_ht_num_sms) {
+                       const std::string& backend, int max_num_sms, const std::string& scaleout, int max_ht_num_sms,
+                       bool ll_scaleout) {
              if (backend != "ipc" && backend != "nccl") {
                throw std::invalid_argument("backend must be 'ipc' or 'nccl', got '" + backend + "'");
              }
@@ -36,13 +37,14 @@ void register_runtime(py::module_& m) {
              config.backend = backend == "ipc" ? BackendKind::kIpc : BackendKind::kNccl;
              config.max_num_sms = max_num_sms;
              config.max_ht_num_sms = max_ht_num_sms;
+             config.ll_scaleout = ll_scaleout;
              config.scaleout = parse_scaleout_kind(scaleout);
              return std::make_unique<Runtime>(config);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("num_scaleup_ranks"), py::arg("device"),
            py::arg("ht_region_bytes"), py::arg("ll_region_bytes"), py::arg("gpu_timeout_secs"),
            py::arg("cpu_timeout_secs"), py::arg("backend"), py::arg("max_num_sms"), py::arg("scaleout") = "lsa",
-           py::arg("max_ht_num_sms") = 0)
+           py::arg("max_ht_num_sms") = 0, py::arg("ll_scaleout") = false)
       .def("ipc_handle", [](const Runtime& self) { return py::bytes(self.ipc_handle()); })
       .def("connect_ipc",
            [](Runtime& self, const std::vector<py::bytes>& handles) {

@@ -151,6 +151,7 @@ void Runtime::finish_connect(const std::vector<uint8_t*>& peer_bases) {
   view_.num_scaleup_ranks = config_.num_scaleup_ranks;
   view_.max_num_sms = config_.max_num_sms;
   view_.max_ht_num_sms = config_.max_ht_num_sms > 0 ? config_.max_ht_num_sms : config_.max_num_sms;
+  view_.ll_ranks_per_node = config_.ll_scaleout ? config_.num_scaleup_ranks : 0;
   view_.peer_bases = peer_table_device_;
   view_.error = error_device_;
   view_.timeout_ns = static_cast<uint64_t>(config_.gpu_timeout_secs * 1e9);

@@ -46,6 +46,8 @@ struct RuntimeConfig {
   int max_ht_num_sms = 0;
   // How hybrid mode reaches the ranks of other nodes (gin: they are on other hosts).
   ScaleoutKind scaleout = ScaleoutKind::kLsa;
+  // LL reaches the ranks of other nodes (groups of num_scaleup_ranks) through `scaleout` too.
+  bool ll_scaleout = false;
 };
 
 // "lsa" | "lsa-deferred" | "gin"; std::invalid_argument otherwise.

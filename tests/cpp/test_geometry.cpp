@@ -117,6 +117,31 @@ TEST(LowLatency, AreaHoldsEverySectionInOrderAndAligned) {
   EXPECT_EQ(layout.area_start(1), layout.area_bytes);
 }
 
+// LL across nodes: the staging block (payload [T][2H], scales [T][H/128], headers [E][T]) ends
+// each area, 16-byte aligned (transport puts move 16-byte vectors).
+TEST(LowLatency, StagingBlockEndsTheAreaAligned) {
+  const LowLatencyLayout layout = low_latency_layout(128, 7168, 8, 256, 8);
+  EXPECT_GE(layout.staging_payload_offset, layout.combine_flags_offset + (8 + kLowLatencyStateInts) * 4);
+  EXPECT_GE(layout.staging_scales_offset, layout.staging_payload_offset + int64_t{128} * 7168 * 2);
+  EXPECT_GE(layout.staging_headers_offset, layout.staging_scales_offset + int64_t{128} * 56 * 4);
+  EXPECT_LE(layout.staging_headers_offset + int64_t{256} * 128 * kLowLatencyMessageHeaderBytes, layout.area_bytes);
+  for (const int64_t offset :
+       {layout.staging_payload_offset, layout.staging_scales_offset, layout.staging_headers_offset}) {
+    EXPECT_EQ(offset % 16, 0);
+  }
+}
+
+// The LL signal ids follow hybrid mode's, the whole range fits NCCL's proxy backend (16-bit ids),
+// and the failed-input flag lies above any arrival count.
+TEST(ScaleoutSignals, LowLatencyIdsFollowHybridAndFit) {
+  EXPECT_EQ(kSignalLlArrival, kSignalRows + kMaxNodes * kMaxChannels);
+  EXPECT_EQ(kSignalLlRelease, kSignalLlArrival + kLowLatencyAreas * kMaxExperts);
+  EXPECT_EQ(kMaxScaleoutSignals, kSignalLlRelease + kLowLatencyAreas * kMaxRanks);
+  EXPECT_LT(kMaxScaleoutSignals, 1 << 16);
+  EXPECT_GT(kLowLatencyFailedFlag, int64_t{1} << 16);
+  EXPECT_LE(WorkspaceLayout::ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 4, WorkspaceLayout::bytes);
+}
+
 TEST(LowLatency, EmptyWhenNotRequested) { EXPECT_EQ(low_latency_layout(0, 7168, 8, 256, 8).region_bytes, 0); }
 
 TEST(Workspace, ZeroInvariantRangeCoversCountersNotEpochs) {

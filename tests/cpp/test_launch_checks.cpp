@@ -6,7 +6,9 @@
 #include <string>
 
 #include "common/device_view.hpp"
+#include "common/sizing.hpp"
 #include "kernels/high_throughput.hpp"
+#include "kernels/low_latency.hpp"
 
 namespace deep_ep {
 namespace {
@@ -110,6 +112,28 @@ TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
   epilogue.call = small_call();
   epilogue.num_ctas = 12;
   EXPECT_EQ(refusal([&] { check_grid_size(epilogue.view, "num_ctas", epilogue.num_ctas); }), "");
+}
+
+// LL across nodes: an fp8 row's H/128 fp32 scales travel in 16-byte puts, so H must be a multiple
+// of 512 there; the same call by load/store is fine.
+TEST(LowLatencyCheck, Fp8AcrossNodesNeedsScalesInWholeVectors) {
+  LowLatencyDispatchArgs args;
+  args.view = view_with_cap(4);
+  args.layout = low_latency_layout(LowLatencyRequest{2, 4, 640, 4, 2});
+  args.num_experts = 4;
+  args.hidden = 640;
+  args.num_tokens = 1;
+  args.num_topk = 2;
+  args.use_fp8 = true;
+  args.num_sms = 5;  // above the cap: a call that passes the scales check fails on the grid size
+  const std::string by_stores = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  EXPECT_NE(by_stores.find("num_sms"), std::string::npos) << by_stores;
+  args.view.ll_ranks_per_node = 1;  // rank 1 is on another node
+  const std::string across = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  EXPECT_NE(across.find("multiple of 512"), std::string::npos) << across;
+  args.use_fp8 = false;  // bf16 rows need no scales
+  const std::string bf16 = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  EXPECT_NE(bf16.find("num_sms"), std::string::npos) << bf16;
 }
 
 // The mode follows from the buffer's topology: a call described for another topology (a hybrid

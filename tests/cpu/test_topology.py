@@ -12,8 +12,10 @@ from deep_ep.topology import (
     emulated_ranks_per_node,
     gpu_is_shared,
     ht_sm_cap,
+    ll_uses_scaleout,
     ranks_per_host,
     requested_backend,
+    requested_ll_scaleout,
     requested_scaleout_transport,
     sm_cap,
 )
@@ -212,6 +214,24 @@ def test_backend_none_reads_ep_backend(monkeypatch):
     monkeypatch.setenv("EP_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend must be"):
         choose_backend(requested_backend(None), False)
+
+
+def test_ll_uses_the_scaleout_transport_across_hosts_and_on_request():
+    assert ll_uses_scaleout(True, 2, True, False)  # several hosts: always
+    assert ll_uses_scaleout(True, 2, False, True)  # virtual nodes: on request
+    assert not ll_uses_scaleout(True, 2, False, False)
+    assert not ll_uses_scaleout(True, 1, False, True)  # one node: nothing to reach
+    assert not ll_uses_scaleout(False, 2, True, True)  # no LL region
+
+
+def test_ll_scaleout_request_reads_its_variable(monkeypatch):
+    monkeypatch.delenv("EP_LL_SCALEOUT", raising=False)
+    assert requested_ll_scaleout() is False
+    monkeypatch.setenv("EP_LL_SCALEOUT", "1")
+    assert requested_ll_scaleout() is True
+    monkeypatch.setenv("EP_LL_SCALEOUT", "yes")
+    with pytest.raises(ValueError, match="EP_LL_SCALEOUT must be 0 or 1"):
+        requested_ll_scaleout()
 
 
 def test_the_runtime_refuses_an_ht_cap_above_the_rank_share():
