@@ -19,6 +19,10 @@ bf16, so every check is bitwise: compact rows of local expert ``l`` equal the se
 every counted source in (source, token) order, and combine equals sum_k w_k x over the kept slots in
 the kernel's order (k ascending, product rounded to fp32, then added; one bf16 rounding).
 
+The "between" case runs once more with the ranks as 2 virtual nodes whose LL traffic crosses the
+scale-out transport (``EP_LL_SCALEOUT=1``, ``lsa-deferred``): the dead rank is on the other node
+than half of the survivors, so their waits on it are waits on transport signals.
+
 Without masking a dead peer stays fatal (CommTimeoutError naming it): tests/gpu/test_faults.py.
 """
 
@@ -97,6 +101,12 @@ class _Rank:
                 group, 0, num_rdma_bytes, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True
             )
             return
+        nodes = {}
+        if api == "elastic-nodes":
+            # Every rank sets the same values before the buffer reads them.
+            os.environ["EP_LL_SCALEOUT"] = "1"
+            os.environ["EP_SCALEOUT_TRANSPORT"] = "lsa-deferred"
+            nodes = {"num_ranks_per_node": num_ranks // 2}
         self.buffer = deep_ep.ElasticBuffer(
             group,
             num_max_dispatch_tokens_per_rank=LL_TOKENS,
@@ -106,7 +116,10 @@ class _Rank:
             num_gpu_timeout_secs=TIMEOUT,
             explicitly_destroy=True,
             enable_rank_masking=True,
+            **nodes,
         )
+        if api == "elastic-nodes" and not self.buffer.ll_scaleout:
+            raise AssertionError("the buffer's LL does not cross the scale-out transport")
 
     def masked(self) -> list[int]:
         status = torch.full((self.num_ranks,), -1, dtype=torch.int32, device=_device())
@@ -198,10 +211,15 @@ def _dies(rank: int, num_ranks: int, group: dist.ProcessGroup, when: str, api: s
     return results
 
 
-@pytest.mark.parametrize(("when", "api"), [("between", "elastic"), ("after-dispatch", "elastic"), ("between", "v1")])
+@pytest.mark.parametrize(
+    ("when", "api"),
+    [("between", "elastic"), ("after-dispatch", "elastic"), ("between", "v1"), ("between", "elastic-nodes")],
+)
 def test_a_dead_rank_is_masked_and_the_survivors_results_stay_exact(num_ranks: int, when: str, api: str) -> None:
     if num_ranks < 2:
         pytest.skip("needs a survivor")
+    if api == "elastic-nodes" and (num_ranks < 4 or num_ranks % 2):
+        pytest.skip(f"2 virtual nodes of at least 2 ranks need an even count >= 4; this run launches {num_ranks}")
     victim = num_ranks - 1
     results = launch(_dies, num_ranks, when, api, may_exit=(victim,), timeout_secs=300)
     assert results[victim] is None
