@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("compact", "per_source"),
         help="dispatch receive rows: compact (copied out of the window, the default) or per_source (zero-copy view)",
     )
+    parser.add_argument(
+        "--num-ranks-per-node",
+        type=int,
+        default=0,
+        help="S > 0: the ranks as virtual nodes of S ranks whose LL traffic between nodes goes over the scale-out "
+        "transport (EP_LL_SCALEOUT=1; EP_SCALEOUT_TRANSPORT picks lsa or lsa-deferred); 0: one node (load/store)",
+    )
     return parser.parse_args(argv)
 
 
@@ -215,6 +222,10 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
     bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
     dist.barrier(group=group)
     results, barriers, sm_cap = [], [], 0
+    nodes = {}
+    if config.get("num_ranks_per_node"):
+        os.environ["EP_LL_SCALEOUT"] = "1"  # every rank sets it before its buffers read it
+        nodes = {"num_ranks_per_node": config["num_ranks_per_node"]}
     for num_experts in config["experts"]:
         buffer = deep_ep.ElasticBuffer(
             group,
@@ -223,6 +234,7 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
             num_max_dispatch_tokens_per_rank=config["cap"],
             num_experts=num_experts,
             explicitly_destroy=True,
+            **nodes,
         )
         try:
             sm_cap = buffer._max_num_sms
@@ -346,6 +358,11 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
     print(
         f"copy bandwidth {summary['copy_gbs_per_gpu']} GB/s, barrier {summary['barrier_us']:.1f} us, "
         f"SM cap per rank {summary['sm_cap_per_rank']}"
+        + (
+            f", virtual nodes of {summary['config']['num_ranks_per_node']} ranks (LL between nodes over the transport)"
+            if summary["config"].get("num_ranks_per_node")
+            else ""
+        )
     )
     print(
         f"{'E':>4} {'T':>4} {'op':<9} {'eager':>7} {'graph':>7} {'send':>7} {'recv':>7} {'GB/s':>7} {'floor':>6}"
@@ -373,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "iters": args.iters,
         "recv_layout": args.recv_layout,
+        "num_ranks_per_node": args.num_ranks_per_node,
     }
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:
