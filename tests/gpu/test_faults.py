@@ -185,11 +185,18 @@ def test_constructor_failure_on_one_rank_raises_the_same_error_on_every_rank(num
 # -------------------------------------------------------------------------- rank-local inputs
 
 
-def _bad_rank_local_inputs(rank, num_ranks, group):
+def _bad_rank_local_inputs(rank, num_ranks, group, nodes=False):
     num_experts = _experts(num_ranks)
     bad_rank = num_ranks - 1
     is_bad = rank == bad_rank
-    buffer = _buffer(group, num_experts)
+    overrides = {}
+    if nodes:
+        # 2 virtual nodes, LL between them over the transport (lsa-deferred): the bad rank's peers on
+        # the other node learn of its failed input from the arrival signals' flag.
+        os.environ["EP_LL_SCALEOUT"] = "1"
+        os.environ["EP_SCALEOUT_TRANSPORT"] = "lsa-deferred"
+        overrides = {"num_ranks_per_node": num_ranks // 2}
+    buffer = _buffer(group, num_experts, **overrides)
     results = {}
     try:
         # HT uncached dispatch: T > T_max on one rank. Its peers are in the CPU-synced count wait,
@@ -251,10 +258,13 @@ def _bad_rank_local_inputs(rank, num_ranks, group):
     return results
 
 
-def test_bad_input_on_one_rank_costs_no_rank_its_buffer(num_ranks):
+@pytest.mark.parametrize("layout", ["one-node", "two-nodes"])
+def test_bad_input_on_one_rank_costs_no_rank_its_buffer(num_ranks, layout):
     if num_ranks < 2:
         pytest.skip("needs peers that passed good input")
-    results = launch(_bad_rank_local_inputs, num_ranks)
+    if layout == "two-nodes" and (num_ranks < 4 or num_ranks % 2):
+        pytest.skip(f"2 virtual nodes of at least 2 ranks need an even count >= 4; this run launches {num_ranks}")
+    results = launch(_bad_rank_local_inputs, num_ranks, layout == "two-nodes")
     print(f"\n[faults] rank-local bad input, {num_ranks} ranks: {results}")
     bad_rank = num_ranks - 1
     for rank, result in enumerate(results):
