@@ -8,13 +8,14 @@
 // done with a round, one thread per unit publishes n + 1 into rank s's arrival cell [l][me]
 // (system-scope release): the receiver has every row once all L * R cells are set.
 //
-// Across nodes (kScaleout): a row for a rank of another node is staged in this rank's own dispatch
-// area, in the payload row (l, s, i) of the dispatch it answers (bf16 stride: the area is sized for
-// bf16), and put to [token][slot]; after the round the CTA adds n + 1 to that rank's arrival signal
-// (l, me), which covers the CTA's puts. The dispatch's rows there were already copied out (compact
-// rows); with per-source (zero-copy) rows they are the caller's recv_x, which the combine thus
-// overwrites for the rows of other nodes (docs/low_latency.md, lifetime rules). The receive side
-// waits on those signals (never reset: the last CTA advances the shadows).
+// Across nodes (kScaleout): a row for a rank of another node is staged in this combine's own area,
+// in its dispatch payload row (l, s, i) (bf16 stride: the area is sized for bf16), and put to
+// [token][slot]; after the round the CTA adds n + 1 to that rank's arrival signal (l, me), which
+// covers the CTA's puts. A combine writes only the combine payload of its area, and the dispatch
+// rows there belong to the operation three before, whose lifetime ended when the operation before
+// this one was sent: the staging touches no data a caller may still read (the zero-copy recv_x of
+// the dispatch this combine answers lives in another area). The receive side waits on the signals
+// (never reset: the last CTA advances the shadows).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -48,12 +49,12 @@ __device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scale
   const LowLatencyLayout& layout = args.layout;
   const int num_vectors = args.hidden / 8;
   const int64_t row_bytes = int64_t{args.hidden} * 2;
-  const int64_t staging = args.dispatch_area_offset + layout.dispatch_payload_offset + dispatch_row * row_bytes;
+  const int64_t staging = args.area_offset + layout.dispatch_payload_offset + dispatch_row * row_bytes;
   int4* stage = args.view.local<int4>(staging);
   if (x_row == nullptr) {
     // This rank's input failed: its expert outputs count as zero.
     for (int index = lane; index < num_vectors; index += 32) stage[index] = make_int4(0, 0, 0, 0);
-  } else if (x_row != stage) {  // expert outputs written in place (zero-copy) are staged already
+  } else {
     for (int index = lane; index < num_vectors; index += 32) stage[index] = ptx::ld_nc_v4(x_row + index);
   }
   transport.put(
