@@ -198,6 +198,20 @@ __device__ __forceinline__ int64_t released_by(const DeviceView& view, const Low
   return ptx::ld_acquire_sys(flags_cell(view, view.rank, layout, area_offset, peer));
 }
 
+// LL across nodes: waits (or masks, as wait_or_mask) until arrival signal `id` of `source` grew
+// past `before` (its shadow, read by the caller). `*delta` gets how much it grew: this operation's
+// n + 1, plus kLowLatencyFailedFlag when the source's input failed (one addition per operation).
+__device__ __forceinline__ WaitResult wait_arrival_signal(const DeviceView& view, int32_t* rank_mask,
+                                                          Operation operation, Phase phase, int source, int id,
+                                                          uint64_t before, int64_t* delta) {
+  return wait_or_mask(view, rank_mask, operation, phase, source, 1, [&](int64_t& seen) {
+    const uint64_t signal = scaleout::read_own_signal(view, id);
+    seen = signal > before ? static_cast<int64_t>(signal - before) : 0;
+    *delta = seen;
+    return seen != 0;
+  });
+}
+
 // The lsa-deferred queue of a send CTA that uses the transport (its group is the whole CTA);
 // nullptr, and no shared memory, otherwise.
 template <bool kEnabled>
@@ -228,14 +242,8 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
                                            int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  if (input_failed) {
-    // Peers on other nodes learn it from the arrival signals (kLowLatencyFailedFlag) instead.
-    for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
-      if (peer != view.rank && view.peer_bases[peer] != nullptr && !via_transport(view, peer)) {
-        ptx::st_relaxed_sys(view.peer<int32_t>(peer, WorkspaceLayout::input_failed_offset + int64_t{view.rank} * 4), 1);
-      }
-    }
-  }
+  // Peers on other nodes learn it from the arrival signals (kLowLatencyFailedFlag) instead.
+  if (input_failed) announce_input_failed(view, [&](int peer) { return via_transport(view, peer); });
   if (blockIdx.x == 0) {
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before

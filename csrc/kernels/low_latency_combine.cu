@@ -208,15 +208,10 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     if (low_latency::via_transport(view, source)) {
       // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
       const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
-      const uint64_t before = *scaleout::shadow_cell(view, id);
-      uint64_t signal = 0;
-      result =
-          wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-            signal = scaleout::read_own_signal(view, id);
-            seen = signal > before ? static_cast<int64_t>(signal - before) : 0;
-            return seen != 0;
-          });
-      if (result == WaitResult::kArrived && blockIdx.x == 0 && signal - before >= kLowLatencyFailedFlag) {
+      int64_t delta = 0;
+      result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source,
+                                                id, *scaleout::shadow_cell(view, id), &delta);
+      if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kLowLatencyFailedFlag) {
         record_peer_failed(view, Operation::kLlCombine, source);
       }
     } else {

@@ -364,13 +364,8 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
         const int id = low_latency::arrival_signal(view, args.area, local, source);
         uint64_t* shadow = scaleout::shadow_cell(view, id);
         const uint64_t before = *shadow;
-        arrived = wait_or_mask(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive, source, 1,
-                               [&](int64_t& seen) {
-                                 const uint64_t signal = scaleout::read_own_signal(view, id);
-                                 value = signal > before ? static_cast<int64_t>(signal - before) : 0;
-                                 seen = value;
-                                 return value != 0;
-                               }) == WaitResult::kArrived;
+        arrived = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive,
+                                                   source, id, before, &value) == WaitResult::kArrived;
         if (arrived) {
           *shadow = before + static_cast<uint64_t>(value);
           if (value >= kLowLatencyFailedFlag) record_peer_failed(view, Operation::kLlDispatch, source);
