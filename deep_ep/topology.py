@@ -214,9 +214,8 @@ def ht_sm_cap(sm_count: int, ranks_per_gpu: int) -> int:
     the example MoE layer's training steps: at 4 ranks 33 SMs per rank timed out in the second
     step, 16 and 8 passed; at 8 ranks 16 timed out in the third step, 8 passed.
     """
-    if ranks_per_gpu <= 1:
-        return max(1, sm_count)
-    return max(1, sm_count // (2 * ranks_per_gpu))
+    share = sm_cap(sm_count, ranks_per_gpu)
+    return share if ranks_per_gpu <= 1 else max(1, share // 2)
 
 
 def mps_is_running() -> bool:
