@@ -105,13 +105,15 @@ TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
   combine.num_sms = 9;
   EXPECT_NE(refusal([&] { ht::launch_combine(combine, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
 
-  // 12 CTAs: above the HT cap, within the full share. The epilogue's grid check passes (it then
-  // fails on its missing arrays, never on the grid size).
+  // 12 CTAs: above the HT cap, within the full share. The epilogue launcher's grid check passes:
+  // it refuses the call on a later check (an alignment of 0), not on the grid size.
   ht::EpilogueArgs epilogue;
   epilogue.view = view_with_cap(16, 8);
   epilogue.call = small_call();
   epilogue.num_ctas = 12;
-  EXPECT_EQ(refusal([&] { check_grid_size(epilogue.view, "num_ctas", epilogue.num_ctas); }), "");
+  epilogue.expert_alignment = 0;
+  const std::string later = refusal([&] { ht::launch_dispatch_epilogue(epilogue, nullptr); });
+  EXPECT_NE(later.find("expert_alignment"), std::string::npos) << later;
 }
 
 // LL across nodes: an fp8 row's H/128 fp32 scales travel in 16-byte puts, so H must be a multiple

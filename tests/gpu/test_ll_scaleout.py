@@ -23,7 +23,6 @@ import pytest
 import test_low_latency as ll
 import torch
 
-import deep_ep
 from deep_ep.testing import launch
 
 TRANSPORTS = ("lsa", "lsa-deferred")
@@ -35,20 +34,6 @@ TOPOLOGIES = [
 ]
 
 
-def _make_buffer(group: Any, spec: ll.BufferSpec, num_ranks: int, ranks_per_node: int) -> deep_ep.ElasticBuffer:
-    return deep_ep.ElasticBuffer(
-        group,
-        num_max_tokens_per_rank=spec.num_max_tokens if spec.with_high_throughput else 0,
-        hidden=spec.hidden,
-        num_topk=spec.topk(num_ranks),
-        num_max_dispatch_tokens_per_rank=spec.num_max_tokens,
-        num_experts=spec.experts(num_ranks),
-        num_gpu_timeout_secs=ll.GPU_TIMEOUT_SECS,
-        num_ranks_per_node=ranks_per_node,
-        explicitly_destroy=True,
-    )
-
-
 def _rank_main(rank: int, num_ranks: int, group: Any, ranks_per_node: int, transport: str) -> dict:
     # Read when each buffer is built; every rank sets the same values.
     os.environ["EP_LL_SCALEOUT"] = "1"
@@ -58,7 +43,7 @@ def _rank_main(rank: int, num_ranks: int, group: Any, ranks_per_node: int, trans
     ll.GRAPH_REPLAYS = 50
     results: dict[str, Any] = {}
     for spec, cases in ll.SPECS:
-        buffer = _make_buffer(group, spec, num_ranks, ranks_per_node)
+        buffer = ll._make_buffer(group, spec, num_ranks, num_ranks_per_node=ranks_per_node)
         try:
             results["ll_scaleout"] = buffer.ll_scaleout
             results["transport"] = buffer.scaleout_transport

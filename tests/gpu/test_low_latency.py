@@ -131,7 +131,8 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int) -> deep_ep.ElasticBuffer:
+def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int, **overrides: Any) -> deep_ep.ElasticBuffer:
+    """``overrides``: further ElasticBuffer keywords (test_ll_scaleout.py: num_ranks_per_node)."""
     return deep_ep.ElasticBuffer(
         group,
         num_max_tokens_per_rank=spec.num_max_tokens if spec.with_high_throughput else 0,
@@ -141,6 +142,7 @@ def _make_buffer(group: Any, spec: BufferSpec, num_ranks: int) -> deep_ep.Elasti
         num_experts=spec.experts(num_ranks),
         num_gpu_timeout_secs=GPU_TIMEOUT_SECS,
         explicitly_destroy=True,
+        **overrides,
     )
 
 
