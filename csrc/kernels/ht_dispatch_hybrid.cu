@@ -36,6 +36,8 @@ constexpr int kSenderWarps = 8;
 constexpr int kForwarderWarps = kThreads / 32 - kSenderWarps;
 constexpr int kSenderBarrier = 2;  // named barrier of the sender warps (1: whole-CTA transport group)
 constexpr int kCopyUnroll = 4;
+// The forwarder copies one row at a time per warp: more 16-byte vectors in flight per lane.
+constexpr int kForwardUnroll = 8;
 
 __device__ __forceinline__ int rows_signal(int source_node, int channel) {
   return kSignalRows + source_node * kMaxChannels + channel;
@@ -179,11 +181,17 @@ __device__ void forward(const DispatchArgs& args) {
     const int64_t first_row = max_of(0, min_of(prefix[channel], call.num_max_tokens()));
     const int64_t end_row = max_of(first_row, min_of(prefix[channel + 1], call.num_max_tokens()));
     const int32_t rows = static_cast<int32_t>(end_row - first_row);
+    // Lane 0: the stream's shadow (stable during the kernel: advanced after the last grid sync) and
+    // how many of its rows are known to have landed. Rows land in order (each signal covers the
+    // puts before it), so one wait that sees the signal far ahead covers the rows up to there.
+    const int signal = rows_signal(m, channel);
+    const uint64_t shadow = lane == 0 ? *scaleout::shadow_cell(view, signal) : 0;
+    uint64_t landed = 0;
     for (int32_t r = forwarder; r < rows; r += kForwarderWarps) {
       bool arrived = true;
-      if (lane == 0) {
-        arrived = scaleout::wait_signal(view, transport, Operation::kHtDispatch, Phase::kScaleoutRowsArrive, source,
-                                        rows_signal(m, channel), r + 1);
+      if (lane == 0 && landed < static_cast<uint64_t>(r) + 1) {
+        arrived = scaleout::wait_signal_landed(view, transport, Operation::kHtDispatch, Phase::kScaleoutRowsArrive,
+                                               source, signal, shadow, r + 1, &landed);
       }
       if (__shfl_sync(kFullMask, arrived ? 1 : 0, 0) == 0) return;
       const int64_t ordinal = first_row + r;
@@ -199,8 +207,8 @@ __device__ void forward(const DispatchArgs& args) {
       const bool mine = slot >= 0 && expert >= 0 && call.node_of(expert_rank) == node;
       const uint32_t dst_lanes = __ballot_sync(kFullMask, mine);
       uint8_t* my_dst = mine ? view.peer<uint8_t>(expert_rank, call.dispatch_slot(source, slot)) : nullptr;
-      warp_copy_to_lanes<kCopyUnroll, true>(reinterpret_cast<const int4*>(row), token.bytes / kVectorBytes, dst_lanes,
-                                            reinterpret_cast<int4*>(my_dst));
+      warp_copy_to_lanes<kForwardUnroll, true>(reinterpret_cast<const int4*>(row), token.bytes / kVectorBytes,
+                                               dst_lanes, reinterpret_cast<int4*>(my_dst));
       const int64_t kept = int64_t{m} * call.num_max_tokens() + ordinal;
       if (lane < num_topk) hybrid.forward_topk[kept * num_topk + lane] = expert;
       if (lane == 0) hybrid.forward_token[kept] = __ldcg(reinterpret_cast<const int32_t*>(row + token.src_offset));

@@ -181,16 +181,27 @@ class Transport {
   DeferredQueue* queue_;
 };
 
-// Waits until this rank's signal `id` reaches its shadow + `expected` (no shadow update). `peer`
-// (the signalling rank) and `phase` name the wait in a timeout report.
-__device__ __forceinline__ bool wait_signal(const DeviceView& view, const Transport& transport, Operation operation,
-                                            Phase phase, int peer, int id, uint64_t expected) {
-  const uint64_t target = *shadow_cell(view, id) + expected;
+// Waits until this rank's signal `id` reaches `shadow` (its shadow cell's value, read by the
+// caller) + `expected`; `*landed` gets the last value seen minus `shadow`, >= expected on success.
+// A caller consuming a stream in order need not wait again for what `*landed` already covers.
+// `peer` (the signalling rank) and `phase` name the wait in a timeout report.
+__device__ __forceinline__ bool wait_signal_landed(const DeviceView& view, const Transport& transport,
+                                                   Operation operation, Phase phase, int peer, int id, uint64_t shadow,
+                                                   uint64_t expected, uint64_t* landed) {
+  const uint64_t target = shadow + expected;
   return wait_until(view, operation, phase, peer, static_cast<int64_t>(target), [&](int64_t& seen) {
     const uint64_t value = transport.read_signal(id);
     seen = static_cast<int64_t>(value);
+    *landed = value >= shadow ? value - shadow : 0;  // never below the shadow; guarded all the same
     return value >= target;
   });
+}
+
+// Waits until this rank's signal `id` reaches its shadow + `expected` (no shadow update).
+__device__ __forceinline__ bool wait_signal(const DeviceView& view, const Transport& transport, Operation operation,
+                                            Phase phase, int peer, int id, uint64_t expected) {
+  uint64_t landed = 0;
+  return wait_signal_landed(view, transport, operation, phase, peer, id, *shadow_cell(view, id), expected, &landed);
 }
 
 // After every wait on `id` of this operation: the next operation expects from here.
