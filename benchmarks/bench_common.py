@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -71,3 +73,36 @@ def save_summary(summary: dict[str, Any], out_dir: str, stem: str, plot: Callabl
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as file:
         json.dump(summary, file, indent=1)
     plot(summary, os.path.join(out_dir, f"{stem}.png"))
+
+
+def kernel_times_us(
+    buffer: Any, operation: Callable[[], None], kernels: tuple[str, ...], runs: int = 9
+) -> dict[str, float]:
+    """Median device time of each kernel whose name contains one of ``kernels``, over a few profiled
+    runs of ``operation`` (empty if profiling fails).
+
+    A CPU-synced barrier first lines the ranks up: the profiler starts at different moments in
+    different processes, and without it the first run's entry barrier (e.g. in an HT notify, or a
+    cached dispatch) would absorb that skew. The median drops what is left of such outliers.
+    """
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        buffer.barrier(with_cpu_sync=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                buffer.barrier()
+                operation()
+            torch.cuda.synchronize()
+        durations: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type != DeviceType.CUDA:
+                continue
+            for kernel in kernels:
+                if kernel in event.name:
+                    durations.setdefault(kernel, []).append(event.time_range.elapsed_us())
+        return {kernel: statistics.median(values) for kernel, values in durations.items()}
+    except Exception as error:  # noqa: BLE001 - profiling is optional
+        print(f"[bench] kernel profiling failed: {error}", file=sys.stderr)
+        return {}

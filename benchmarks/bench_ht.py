@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from a2a_baseline import a2a_combine, a2a_dispatch
-from bench_common import copy_bandwidth_gbs, run_ranks, save_summary
+from bench_common import copy_bandwidth_gbs, kernel_times_us, run_ranks, save_summary
 
 import deep_ep
 from deep_ep.plan import cross_node_copies
@@ -175,36 +174,6 @@ def host_profile(operation, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
-def kernel_times_us(buffer, operation, runs: int = 9) -> dict[str, float]:
-    """Median device time of each HT kernel over a few profiled runs (empty if profiling fails).
-
-    A CPU-synced barrier first lines the ranks up: the profiler starts at different moments in
-    different processes, and without it the first run's entry barrier (in notify, or in a cached
-    dispatch) would absorb that skew. The median drops what is left of such outliers.
-    """
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        buffer.barrier(with_cpu_sync=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                buffer.barrier()
-                operation()
-            torch.cuda.synchronize()
-        durations: dict[str, list[float]] = {}
-        for event in prof.events():
-            if event.device_type != DeviceType.CUDA:
-                continue
-            for kernel in KERNELS:
-                if kernel in event.name:
-                    durations.setdefault(kernel, []).append(event.time_range.elapsed_us())
-        return {kernel: statistics.median(values) for kernel, values in durations.items()}
-    except Exception as error:  # noqa: BLE001 - profiling is optional
-        print(f"[bench_ht] kernel profiling failed: {error}", file=sys.stderr)
-        return {}
-
-
 def make_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand(num_tokens, num_experts, device="cuda", generator=generator)
@@ -247,7 +216,7 @@ def bench_tokens(
                 "num_recv_tokens": num_recv_tokens,
                 "requested_num_sms": requested_sms,
                 "num_sms": num_sms,
-                "kernels_us": kernel_times_us(buffer, operation),
+                "kernels_us": kernel_times_us(buffer, operation, KERNELS),
                 "mode": mode,
                 "num_ranks_per_node": num_ranks_per_node,
                 **(extra or {}),

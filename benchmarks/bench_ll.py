@@ -22,7 +22,9 @@ combine = valid selections x 2H. HBM floor, per GPU: dispatch reads each source 
 (2H bytes) and writes each (token, expert) message once; combine reads each expert row once (2H)
 and writes each final token once (2H); summed over the ranks sharing the GPU, divided by the device
 copy bandwidth (read + write) measured in the same run, plus one barrier. floor_fraction =
-floor / measured time. Writes DIR/bench_ll.json and DIR/bench_ll.png.
+floor / measured time. Kernel times: device time of each send and receive kernel of an eager
+dispatch + combine pair (torch.profiler, median of a few runs, slowest rank). Writes
+DIR/bench_ll.json and DIR/bench_ll.png.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import copy_bandwidth_gbs, run_ranks, save_summary, timed_after_barrier
+from bench_common import copy_bandwidth_gbs, kernel_times_us, run_ranks, save_summary, timed_after_barrier
 
 import deep_ep
 from deep_ep import _C
@@ -47,6 +49,7 @@ OPERATIONS = ("dispatch", "combine")
 LAYERS = 3  # pairs per decode-step chain: 6 operations, a multiple of the 3 LL areas
 LAYER_KINDS = ("rotating", "reusing")
 MODES = ("eager", "graph", "send", "recv")
+KERNELS = ("dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,6 +198,8 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "rotating": [t / LAYERS for t in timed_after_barrier(buffer, rotating, warmup, iters)],
         "reusing": [t / LAYERS for t in timed_after_barrier(buffer, lambda: _replay(reusing, LAYERS), warmup, iters)],
     }
+    # Device time of each kernel of an eager dispatch + combine pair (each pair after a barrier).
+    kernels = kernel_times_us(buffer, lambda: (trip.dispatch(), trip.combine()), KERNELS)
     for index, operation in enumerate(OPERATIONS):
         times[operation]["eager"] = eager[index]
         times[operation]["graph"] = graph[index]
@@ -208,6 +213,7 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "num_received": received,
         "times_us": times,
         "layer_pair_us": layers,
+        "kernels_us": kernels,
     }
 
 
@@ -291,6 +297,11 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 floor_us += barrier
                 times = {mode: slowest_rank_median([e["times_us"][operation][mode] for e in entries]) for mode in MODES}
                 pair = {kind: slowest_rank_median([e["layer_pair_us"][kind] for e in entries]) for kind in LAYER_KINDS}
+                kernels = {
+                    name: max(e["kernels_us"].get(name, 0.0) for e in entries)
+                    for name in KERNELS
+                    if name.startswith(operation)
+                }
                 bytes_per_rank = [per_selection * entry["num_selections"] for entry in entries]
                 mean_bytes = sum(bytes_per_rank) / len(bytes_per_rank)
                 rows.append(
@@ -306,6 +317,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                         "floor_fraction_eager": floor_us / times["eager"],
                         "floor_fraction_graph": floor_us / times["graph"],
                         "layer_pair_us": pair,  # dispatch + combine, back to back (same on both rows)
+                        "kernels_us_max_over_ranks": kernels,
                     }
                 )
     return {
@@ -366,15 +378,21 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
     )
     print(
         f"{'E':>4} {'T':>4} {'op':<9} {'eager':>7} {'graph':>7} {'send':>7} {'recv':>7} {'GB/s':>7} {'floor':>6}"
-        f"  pair in a chain: {'rotating':>8} {'reusing':>8}"
+        f"  pair in a chain: {'rotating':>8} {'reusing':>8}  kernels (us, slowest rank)"
     )
     for row in summary["rows"]:
         t, pair = row["time_us"], row["layer_pair_us"]
-        chain = f"  {'':16}{pair['rotating']:>8.1f} {pair['reusing']:>8.1f}" if row["operation"] == "dispatch" else ""
+        chain = f"  {'':16}{pair['rotating']:>8.1f} {pair['reusing']:>8.1f}"
+        if row["operation"] != "dispatch":
+            chain = " " * len(chain)
+        kernels = " ".join(
+            f"{name.removeprefix(row['operation'] + '_').removesuffix('_kernel')}={value:.1f}"
+            for name, value in row["kernels_us_max_over_ranks"].items()
+        )
         print(
             f"{row['num_experts']:>4} {row['num_tokens']:>4} {row['operation']:<9} {t['eager']:>7.1f} "
             f"{t['graph']:>7.1f} {t['send']:>7.1f} {t['recv']:>7.1f} {row['gbs_per_rank_graph']:>7.1f} "
-            f"{row['floor_fraction_graph']:>6.2f}{chain}"
+            f"{row['floor_fraction_graph']:>6.2f}{chain}  {kernels}"
         )
 
 

@@ -144,19 +144,6 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   }
 }
 
-// Publishes source `source`'s counts for local rank `dest` into dest's count cells: expert cells
-// first, then (released after them) the rank cell that announces them. Values are count + 1.
-__device__ __forceinline__ void publish_counts(const DeviceView& view, int source, int dest, int num_local,
-                                               const int32_t* expert_counts, int32_t rank_count) {
-  for (int local = 0; local < num_local; ++local) {
-    const int64_t cell = WorkspaceLayout::expert_counts_offset + 4 * (int64_t{source} * num_local + local);
-    ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), expert_counts[local] + 1);
-  }
-  ptx::fence_acq_rel_sys();
-  ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{source}),
-                      rank_count + 1);
-}
-
 // Hybrid mode, CTA 0 after the entry barrier: the counts for other nodes' ranks travel as one
 // message per node to the same-rail rank there; the messages this rank receives as forwarder are
 // published into its node-mates' cells. Message to node m: [S rank counts][S x L expert counts]
@@ -208,10 +195,16 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
   }
   transport.flush(group);
 
+  // One thread per source node waits for its message; then the whole CTA republishes the arrived
+  // messages into the node-mates' count cells as a direct sender would: every expert cell (spread
+  // over the threads), one system fence, and after the __syncthreads the rank cells that announce
+  // them (release). Serially in one thread per node this was L remote stores and a fence per rank.
   __shared__ int failed;
+  __shared__ bool arrived[kMaxNodes];
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int m = threadIdx.x; m < num_nodes; m += blockDim.x) {
+    arrived[m] = false;
     if (m == node) continue;
     const int source = call.rail_peer(view.rank, m);
     const int id = kSignalNotify + m;
@@ -220,12 +213,37 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
       continue;
     }
     scaleout::advance_shadow(view, id, 1);
+    arrived[m] = true;
+  }
+  __syncthreads();
+  const int64_t expert_cells = int64_t{scaleup} * num_local;
+  for (int64_t index = threadIdx.x; index < num_nodes * expert_cells; index += blockDim.x) {
+    const int m = static_cast<int>(index / expert_cells);
+    if (!arrived[m]) continue;
+    const int j = static_cast<int>(index % expert_cells / num_local);
+    const int local = static_cast<int>(index % num_local);
+    const int source = call.rail_peer(view.rank, m);
     const int32_t* message = inbox + m * message_ints;
-    for (int j = 0; j < scaleup; ++j) {
-      publish_counts(view, source, node * scaleup + j, num_local, message + scaleup + j * num_local, message[j]);
-    }
-    for (int channel = 0; channel <= num_channels; ++channel) {
-      args.hybrid.forward_prefix[m * (num_channels + 1) + channel] = message[scaleup + scaleup * num_local + channel];
+    const int64_t cell = WorkspaceLayout::expert_counts_offset + 4 * (int64_t{source} * num_local + local);
+    ptx::st_relaxed_sys(view.peer<int32_t>(node * scaleup + j, cell), message[scaleup + j * num_local + local] + 1);
+  }
+  ptx::fence_acq_rel_sys();
+  __syncthreads();
+  for (int index = threadIdx.x; index < num_nodes * scaleup; index += blockDim.x) {
+    const int m = index / scaleup;
+    if (!arrived[m]) continue;
+    const int j = index % scaleup;
+    const int source = call.rail_peer(view.rank, m);
+    const int32_t* message = inbox + m * message_ints;
+    ptx::st_release_sys(
+        view.peer<int32_t>(node * scaleup + j, WorkspaceLayout::rank_counts_offset + 4 * int64_t{source}),
+        message[j] + 1);
+  }
+  for (int index = threadIdx.x; index < num_nodes * (num_channels + 1); index += blockDim.x) {
+    const int m = index / (num_channels + 1);
+    if (arrived[m]) {
+      args.hybrid.forward_prefix[index] =
+          inbox[m * message_ints + scaleup + scaleup * num_local + index % (num_channels + 1)];
     }
   }
   __syncthreads();

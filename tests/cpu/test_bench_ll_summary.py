@@ -1,0 +1,49 @@
+"""benchmarks/bench_ll.py's bookkeeping (no GPU): the slowest rank's median per mode and the
+per-kernel times split by operation, on hand-made per-rank results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+bench_ll = pytest.importorskip("bench_ll")
+
+HIDDEN = 7168
+
+
+def _rank(rank: int, scale: float) -> dict:
+    runs = [10.0 * scale, 30.0 * scale, 20.0 * scale]
+    result = {
+        "num_tokens": 128,
+        "num_experts": 256,
+        "num_selections": 1024,
+        "num_received": 1000,
+        "times_us": {op: {mode: list(runs) for mode in bench_ll.MODES} for op in bench_ll.OPERATIONS},
+        "layer_pair_us": {kind: list(runs) for kind in bench_ll.LAYER_KINDS},
+        "kernels_us": {name: 5.0 * scale for name in bench_ll.KERNELS},
+    }
+    return {
+        "rank": rank,
+        "gpu": ["host", "gpu0"],
+        "device_name": "test",
+        "copy_gbs": 4000.0 if rank == 0 else None,
+        "barrier_us": [40.0, 40.0, 40.0],
+        "sm_cap": 16,
+        "results": [result],
+    }
+
+
+def test_rows_take_the_slowest_rank_and_split_kernels_by_operation():
+    config = {"tokens": [128], "experts": [256], "hidden": HIDDEN, "num_topk": 8}
+    summary = bench_ll.summarize([_rank(0, 1.0), _rank(1, 2.0)], config)
+    rows = {row["operation"]: row for row in summary["rows"]}
+    assert rows["dispatch"]["time_us"]["graph"] == pytest.approx(40.0)  # median of the slower rank's runs
+    assert rows["dispatch"]["kernels_us_max_over_ranks"] == {
+        "dispatch_send_kernel": 10.0,
+        "dispatch_recv_kernel": 10.0,
+    }
+    assert set(rows["combine"]["kernels_us_max_over_ranks"]) == {"combine_send_kernel", "combine_recv_kernel"}
