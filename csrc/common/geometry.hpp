@@ -175,10 +175,12 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
 //                     [d] = operations on this area whose data rank d has released (send phases wait
 //                     for it, so a rank running ahead never overwrites data a slower peer still reads);
 //                     then [2] int32 (area 0 only): area and epoch of this rank's last send phase
-//   staging           LL across nodes only (a transport put reads from the sender's window):
-//                     payload [T_ll][2 * hidden] (token t's bf16 row, or its fp8 row in the first
-//                     half), scales [T_ll][hidden/128] fp32, headers [E][T_ll] x 16 B (expert e's
-//                     header block). Per area, so operations on different areas never share it.
+//   staging           the sender's own rows: payload [T_ll][2 * hidden] (token t's bf16 row, or its
+//                     fp8 row in the first half), scales [T_ll][hidden/128] fp32, headers [E][T_ll] x
+//                     16 B (expert e's header block; across nodes, a transport put reads from the
+//                     sender's window), flags [T_ll] int32 (fp8: token t quantised into its staging
+//                     row this operation; 0 between send kernels). Per area, so operations on
+//                     different areas never share it.
 constexpr int kLowLatencyAreas = 3;
 constexpr int kLowLatencyStateInts = 2;  // {area, epoch} of the last send phase, after the flags of area 0
 struct LowLatencyLayout {
@@ -194,6 +196,7 @@ struct LowLatencyLayout {
   int64_t staging_payload_offset = 0;
   int64_t staging_scales_offset = 0;
   int64_t staging_headers_offset = 0;
+  int64_t staging_flags_offset = 0;
   int64_t area_bytes = 0;    // one area, 2 MiB aligned
   int64_t region_bytes = 0;  // kLowLatencyAreas areas
   EP_HOST_DEVICE constexpr int64_t area_start(int area) const { return area * area_bytes; }
@@ -232,6 +235,8 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
   offset = align_up(offset + num_max_tokens * (hidden / kFp8GroupSize) * 4, kSlotAlignBytes);
   layout.staging_headers_offset = offset;
   offset = align_up(offset + int64_t{num_experts} * num_max_tokens * kLowLatencyMessageHeaderBytes, kSlotAlignBytes);
+  layout.staging_flags_offset = offset;
+  offset = align_up(offset + num_max_tokens * 4, kSlotAlignBytes);
   layout.area_bytes = align_up(offset, kWindowAlignBytes);
   layout.region_bytes = kLowLatencyAreas * layout.area_bytes;
   return layout;

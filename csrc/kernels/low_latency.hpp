@@ -273,7 +273,9 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
 // every earlier one (epoch - 1); on the area of the previous operation all but that one; on any
 // other area every received one (all are at least two operations old). Then it records this
 // operation as the previous one. `counter`: this area's send scratch int (back to 0 here).
-__device__ __forceinline__ void end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
+// Returns true in every thread of the last CTA (every other CTA is then done with the kernel's
+// window accesses), false elsewhere.
+__device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
                                          int area, int32_t epoch, int32_t* counter, const int32_t* rank_mask) {
   __shared__ int is_last;
   __shared__ int32_t previous[kLowLatencyStateInts];
@@ -284,7 +286,7 @@ __device__ __forceinline__ void end_send(const DeviceView& view, const LowLatenc
     if (is_last) *counter = 0;  // workspace invariant: scratch is zero between kernels
   }
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) return false;
   int32_t* state = view.local<int32_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 4);
   if (threadIdx.x < kLowLatencyStateInts) previous[threadIdx.x] = state[threadIdx.x];
   __syncthreads();
@@ -311,6 +313,7 @@ __device__ __forceinline__ void end_send(const DeviceView& view, const LowLatenc
     state[0] = area;
     state[1] = epoch;
   }
+  return true;
 }
 
 // The receive kernel's last act on the area: one more operation has been received here.
@@ -321,14 +324,17 @@ __device__ __forceinline__ void bump_epoch(const DeviceView& view, const LowLate
 }
 
 // Copies one row of `num_vectors` 16-byte vectors with one warp, `kUnroll` vectors per lane in
-// flight: all loads of a batch are issued before its stores.
-template <int kUnroll>
+// flight: all loads of a batch are issued before its stores. `kWrittenByThisLaunch`: the source
+// was written by another warp of this launch (loads through L2, not the non-coherent path).
+template <int kUnroll, bool kWrittenByThisLaunch = false>
 __device__ __forceinline__ void warp_copy_row(int4* dst, const int4* src, int num_vectors, int lane) {
   for (int base = lane; base < num_vectors; base += 32 * kUnroll) {
     int4 values[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < num_vectors) values[u] = ptx::ld_nc_v4(src + base + u * 32);
+      if (base + u * 32 < num_vectors) {
+        values[u] = kWrittenByThisLaunch ? __ldcg(src + base + u * 32) : ptx::ld_nc_v4(src + base + u * 32);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

@@ -5,18 +5,20 @@
 // Send phase. Each CTA stages this rank's routing in shared memory once, then takes experts in
 // rounds of up to one expert per warp. Per round: each warp lists, in token order, the tokens that
 // selected its expert (slot = ordinal: deterministic, no atomics); all warps then copy the listed
-// rows (bf16, or cast to fp8 on the fly) into the destination's slots with a 16-byte header
-// {source token, top-k slot}; finally one thread per expert publishes count + 1 into the
-// destination's arrival cell [l][me] with a system-scope release covering the whole round.
+// rows into the destination's slots with a 16-byte header {source token, top-k slot} (bf16 straight
+// from x; fp8 from the token's staging row, which the first warp to need the token quantises: each
+// token is quantised once per call, not once per selected expert); finally one thread per expert
+// publishes count + 1 into the destination's arrival cell [l][me] with a system-scope release
+// covering the whole round.
 // Experts nobody selected still publish (count 0 -> 1), so the receiver waits for every cell.
 //
 // Across nodes (kScaleout): a destination on another node gets the row through the scale-out
-// transport. The warp stages the token's message (bf16, or quantised to fp8) in its row of this
-// area's staging block and the row's header in the expert's header block, then puts the payload
-// (and the scales); after the round one warp per expert puts the header block and the CTA adds
-// count + 1 to the destination's arrival signal, which covers every put of the CTA before it.
-// Several warps may stage the same token at once (it selected several experts): they write the
-// same bytes.
+// transport. The warp stages the token's message (bf16, or its fp8 row, quantised once) in its row
+// of this area's staging block and the row's header in the expert's header block, then puts the
+// payload (and the scales); after the round one warp per expert puts the header block and the CTA
+// adds count + 1 to the destination's arrival signal, which covers every put of the CTA before it.
+// Several warps may stage the same bf16 token at once (it selected several experts): they write
+// the same bytes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -100,24 +102,48 @@ __device__ __forceinline__ void write_fp8_row(const LowLatencyDispatchArgs& args
   }
 }
 
+// Token `token` quantised into its staging row (fp8 in the first `hidden` bytes) and scales, once
+// per call: the first warp to need the token claims its flag (0 -> 1), quantises and publishes 2
+// (release; only warps of this launch read it, so GPU scope); a warp that finds it claimed waits
+// for 2. The claimer is a running warp with nothing to wait for, so the wait always ends. The
+// kernel's last CTA sets the flags back to 0. Warp-collective.
+__device__ __forceinline__ void stage_fp8_once(const LowLatencyDispatchArgs& args, int token, int lane) {
+  const int num_groups = args.hidden / kFp8GroupSize;
+  const LowLatencyLayout& layout = args.layout;
+  int32_t* flag = args.view.local<int32_t>(args.area_offset + layout.staging_flags_offset) + token;
+  int state = 0;
+  if (lane == 0) state = atomicCAS(flag, 0, 1);
+  state = __shfl_sync(0xffffffffu, state, 0);
+  if (state == 0) {
+    auto* dst =
+        args.view.local<uint8_t>(args.area_offset + layout.staging_payload_offset) + int64_t{token} * 2 * args.hidden;
+    auto* dst_scales =
+        args.view.local<float>(args.area_offset + layout.staging_scales_offset) + int64_t{token} * num_groups;
+    write_fp8_row(args, token, dst, dst_scales, lane);
+    __syncwarp();  // every lane's row bytes before lane 0's release
+    if (lane == 0) ptx::st_release_gpu(flag, 2);
+  } else if (lane == 0) {
+    while (ptx::ld_acquire_gpu(flag) != 2) {
+    }
+  }
+  __syncwarp();
+}
+
+// fp8 message of `token` (its staging row: payload and scales) into `dest`'s receive row `row`,
+// 16-byte stores for the payload.
 __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
                                              int lane) {
   const int num_groups = args.hidden / kFp8GroupSize;
-  auto* dst = args.view.peer<uint8_t>(dest, args.area_offset + args.layout.dispatch_payload_offset) + row * args.hidden;
-  auto* dst_scales =
-      args.view.peer<float>(dest, args.area_offset + args.layout.dispatch_scales_offset) + row * num_groups;
-  write_fp8_row(args, token, dst, dst_scales, lane);
-}
-
-// Token `token` quantised into its staging row (fp8 in the first `hidden` bytes) and scales.
-__device__ __forceinline__ void stage_fp8_row(const LowLatencyDispatchArgs& args, int token, int lane) {
-  const int num_groups = args.hidden / kFp8GroupSize;
   const LowLatencyLayout& layout = args.layout;
-  auto* dst =
-      args.view.local<uint8_t>(args.area_offset + layout.staging_payload_offset) + int64_t{token} * 2 * args.hidden;
-  auto* dst_scales =
-      args.view.local<float>(args.area_offset + layout.staging_scales_offset) + int64_t{token} * num_groups;
-  write_fp8_row(args, token, dst, dst_scales, lane);
+  stage_fp8_once(args, token, lane);
+  const auto* src =
+      args.view.local<const int4>(args.area_offset + layout.staging_payload_offset) + int64_t{token} * args.hidden / 8;
+  int4* dst = args.view.peer<int4>(dest, args.area_offset + layout.dispatch_payload_offset) + row * args.hidden / 16;
+  low_latency::warp_copy_row<kFp8Unroll, true>(dst, src, args.hidden / 16, lane);
+  const float* src_scales =
+      args.view.local<const float>(args.area_offset + layout.staging_scales_offset) + int64_t{token} * num_groups;
+  float* dst_scales = args.view.peer<float>(dest, args.area_offset + layout.dispatch_scales_offset) + row * num_groups;
+  for (int group = lane; group < num_groups; group += 32) dst_scales[group] = __ldcg(src_scales + group);
 }
 
 // Across nodes: row `row` of expert `expert` (its i-th token, `entry`) to `dest` through the
@@ -128,7 +154,7 @@ __device__ __forceinline__ void put_row(const LowLatencyDispatchArgs& args, scal
   const LowLatencyLayout& layout = args.layout;
   const int token = entry >> kSlotBits;
   if constexpr (kUseFp8) {
-    stage_fp8_row(args, token, lane);
+    stage_fp8_once(args, token, lane);
   } else {
     stage_bf16_row(args, token, lane);
   }
@@ -306,7 +332,11 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   }
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
-  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask);
+  if (low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask) && kUseFp8) {
+    // Every CTA is done with the staging rows: their flags back to 0 for the next send on this area.
+    int32_t* flags = view.local<int32_t>(args.area_offset + layout.staging_flags_offset);
+    for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
+  }
 }
 
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.

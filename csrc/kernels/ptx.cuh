@@ -47,6 +47,10 @@ __device__ __forceinline__ void st_release_sys(int64_t* ptr, int64_t value) {
   asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_release_gpu(int32_t* ptr, int32_t value) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ void st_relaxed_sys(int32_t* ptr, int32_t value) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }

@@ -117,16 +117,18 @@ TEST(LowLatency, AreaHoldsEverySectionInOrderAndAligned) {
   EXPECT_EQ(layout.area_start(1), layout.area_bytes);
 }
 
-// LL across nodes: the staging block (payload [T][2H], scales [T][H/128], headers [E][T]) ends
-// each area, 16-byte aligned (transport puts move 16-byte vectors).
+// The staging block (payload [T][2H], scales [T][H/128], headers [E][T], flags [T]) ends each
+// area, 16-byte aligned (transport puts move 16-byte vectors).
 TEST(LowLatency, StagingBlockEndsTheAreaAligned) {
   const LowLatencyLayout layout = low_latency_layout(128, 7168, 8, 256, 8);
   EXPECT_GE(layout.staging_payload_offset, layout.combine_flags_offset + (8 + kLowLatencyStateInts) * 4);
   EXPECT_GE(layout.staging_scales_offset, layout.staging_payload_offset + int64_t{128} * 7168 * 2);
   EXPECT_GE(layout.staging_headers_offset, layout.staging_scales_offset + int64_t{128} * 56 * 4);
-  EXPECT_LE(layout.staging_headers_offset + int64_t{256} * 128 * kLowLatencyMessageHeaderBytes, layout.area_bytes);
-  for (const int64_t offset :
-       {layout.staging_payload_offset, layout.staging_scales_offset, layout.staging_headers_offset}) {
+  EXPECT_GE(layout.staging_flags_offset,
+            layout.staging_headers_offset + int64_t{256} * 128 * kLowLatencyMessageHeaderBytes);
+  EXPECT_LE(layout.staging_flags_offset + int64_t{128} * 4, layout.area_bytes);
+  for (const int64_t offset : {layout.staging_payload_offset, layout.staging_scales_offset,
+                               layout.staging_headers_offset, layout.staging_flags_offset}) {
     EXPECT_EQ(offset % 16, 0);
   }
 }
