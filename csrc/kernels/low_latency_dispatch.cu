@@ -130,7 +130,7 @@ __device__ __forceinline__ void stage_fp8_once(const LowLatencyDispatchArgs& arg
 }
 
 // fp8 message of `token` (its staging row: payload and scales) into `dest`'s receive row `row`,
-// 16-byte stores for the payload.
+// with 16-byte stores (the scales too when H is a multiple of 512).
 __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
                                              int lane) {
   const int num_groups = args.hidden / kFp8GroupSize;
@@ -143,7 +143,15 @@ __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args,
   const float* src_scales =
       args.view.local<const float>(args.area_offset + layout.staging_scales_offset) + int64_t{token} * num_groups;
   float* dst_scales = args.view.peer<float>(dest, args.area_offset + layout.dispatch_scales_offset) + row * num_groups;
-  for (int group = lane; group < num_groups; group += 32) dst_scales[group] = __ldcg(src_scales + group);
+  if (num_groups % 4 == 0) {
+    // Rows of G fp32 scales are then 16-byte aligned too (the window's scale blocks are).
+    for (int index = lane; index < num_groups / 4; index += 32) {
+      ptx::st_na_v4(reinterpret_cast<int4*>(dst_scales) + index,
+                    __ldcg(reinterpret_cast<const int4*>(src_scales) + index));
+    }
+  } else {
+    for (int group = lane; group < num_groups; group += 32) dst_scales[group] = __ldcg(src_scales + group);
+  }
 }
 
 // Across nodes: row `row` of expert `expert` (its i-th token, `entry`) to `dest` through the
