@@ -162,6 +162,13 @@ __device__ __forceinline__ bool via_transport(const DeviceView& view, int peer) 
   return view.ll_ranks_per_node > 0 && peer / view.ll_ranks_per_node != view.rank / view.ll_ranks_per_node;
 }
 
+// LL across nodes over `lsa` (virtual nodes of one host): a put is a plain store anyway, so the
+// send kernels store rows and headers straight into the peer, as within a node, and only the
+// arrival signals go through the transport (a signal covers its CTA's stores as it covers puts).
+__device__ __forceinline__ bool stores_directly(const DeviceView& view) {
+  return view.scaleout.kind == ScaleoutKind::kLsa;
+}
+
 // Signal ids at the receiving rank (geometry.hpp).
 __device__ __forceinline__ int arrival_signal(const DeviceView& view, int area, int local_expert, int source) {
   return kSignalLlArrival + area * kMaxExperts + local_expert * view.num_ranks + source;

@@ -16,6 +16,7 @@
 // this one was sent: the staging touches no data a caller may still read (the zero-copy recv_x of
 // the dispatch this combine answers lives in another area). The receive side waits on the signals
 // (never reset: the last CTA advances the shadows).
+// With the lsa transport a row for another node is stored straight into it instead (no staging).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -130,7 +131,8 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           const int token = header.x;
           const int slot = header.y;
           if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
-          if (kScaleout && unit_via_transport[j] != 0) {
+          // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
+          if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
             put_row(args, transport, unit % num_ranks, row,
                     rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
             continue;

@@ -19,6 +19,8 @@
 // adds count + 1 to the destination's arrival signal, which covers every put of the CTA before it.
 // Several warps may stage the same bf16 token at once (it selected several experts): they write
 // the same bytes.
+// With the lsa transport the rows and headers are stored straight into the peer instead (as within
+// a node); only the arrival goes through the transport.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -235,7 +237,9 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
       const int first_i =
           peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
-      const bool remote = kScaleout && low_latency::via_transport(view, dest);
+      // lsa puts are plain stores anyway: store straight into the peer as within a node (no staging
+      // write and re-read); the arrival signal covers these stores as it covers a put.
+      const bool remote = kScaleout && low_latency::via_transport(view, dest) && !low_latency::stores_directly(view);
       for (int i = first_i; i < count; i += kSendWarps) {
         const int32_t entry = lists[j * num_tokens + i];
         const int token = entry >> kSlotBits;
@@ -272,7 +276,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       }
       __syncthreads();
       for (int j = warp; j < experts_per_round; j += kSendWarps) {
-        if (signal_expert[j] == 0 || list_sizes[j] == 0) continue;
+        if (signal_expert[j] == 0 || list_sizes[j] == 0 || low_latency::stores_directly(view)) continue;
         const int expert = expert_of(j);
         const int dest = expert / num_local;
         const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
