@@ -151,14 +151,14 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
 
       if constexpr (kScaleout) {
         // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
-        for (int j = 0; j < kUnitsPerRound; ++j) {
-          if (unit_via_transport[j] == 0) continue;
+        transport.signal_each(group, kUnitsPerRound, [&](int j) {
+          if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
           const int unit = unit_of(j);
           const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
                                (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
-          transport.signal(group, unit % num_ranks,
-                           low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add);
-        }
+          return scaleout::SignalItem{unit % num_ranks,
+                                      low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
+        });
       }
       if (threadIdx.x < kUnitsPerRound) {
         const int unit = unit_of(threadIdx.x);

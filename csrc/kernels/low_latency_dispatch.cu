@@ -286,14 +286,14 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
                           int64_t{expert} * layout.num_max_tokens * kLowLatencyMessageHeaderBytes,
                       int64_t{list_sizes[j]} * kLowLatencyMessageHeaderBytes);
       }
-      for (int j = 0; j < experts_per_round; ++j) {
-        if (signal_expert[j] == 0) continue;
+      transport.signal_each(group, experts_per_round, [&](int j) {
+        if (signal_expert[j] == 0) return scaleout::SignalItem{};
         const int expert = expert_of(j);
-        const int dest = expert / num_local;
         const uint64_t add = static_cast<uint64_t>(list_sizes[j]) + 1 +
                              (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
-        transport.signal(group, dest, low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add);
-      }
+        return scaleout::SignalItem{expert / num_local,
+                                    low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add};
+      });
     }
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);

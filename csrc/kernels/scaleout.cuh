@@ -5,6 +5,7 @@
 //   put(peer, dst, src, bytes)      warp-collective, asynchronous: the source stays untouched until flush
 //   signal(group, peer, id, add)    group-collective: signal `id` at `peer` += add, after (covering)
 //                                   every put this group issued to `peer` before the call
+//   signal_each(group, n, item)     group-collective: n such signals at once (one barrier)
 //   read_signal(id)                 this rank's signal `id`, acquire
 //   flush(group)                    every source this group put may be reused (not: data arrived)
 //
@@ -89,6 +90,13 @@ __device__ __forceinline__ void warp_copy_window(const DeviceView& view, int pee
   for (int64_t index = threadIdx.x % 32; index < bytes / 16; index += 32) to[index] = from[index];
 }
 
+// One signal of Transport::signal_each; peer < 0: none.
+struct SignalItem {
+  int peer = -1;
+  int id = 0;
+  uint64_t add = 0;
+};
+
 class Transport {
  public:
   // `queue` is the group's shared-memory queue (lsa-deferred; may be null for the other kinds).
@@ -137,6 +145,36 @@ class Transport {
         // Cumulative release: the group's stores, ordered before this thread by the named barrier.
         ptx::fence_acq_rel_sys();
         ptx::red_add_release_sys(signal_cell(view_, peer, id), add);
+      }
+    }
+    group.sync();  // the queue may be appended to again
+  }
+
+  // Several signals at once, each covering every put this group issued before the call (as
+  // signal() does for its peer): item(i) for i < count gives {peer, id, add}. One barrier for all:
+  // with lsa / lsa-deferred, thread i sends item i (each thread's fence is cumulative over the
+  // group's stores, ordered before it by the barrier), so the system fences overlap instead of
+  // running one after another; with gin thread 0 posts them in order. Group-collective.
+  template <typename Item>
+  __device__ void signal_each(const WarpGroup& group, int count, const Item& item) {
+    group.sync();
+    if (view_.scaleout.kind == ScaleoutKind::kLsaDeferred && queue_ != nullptr) {
+      copy_pending(group, -1);  // early for the peers signalled later: legal, never late
+      group.sync();
+    }
+    if (view_.scaleout.kind == ScaleoutKind::kGin) {
+      if (group.thread == 0) {
+        for (int i = 0; i < count; ++i) {
+          const SignalItem signal = item(i);
+          if (signal.peer >= 0) gin::signal(view_, signal.peer, signal.id, signal.add);
+        }
+      }
+    } else {
+      for (int i = group.thread; i < count; i += group.num_threads) {
+        const SignalItem signal = item(i);
+        if (signal.peer < 0) continue;
+        ptx::fence_acq_rel_sys();
+        ptx::red_add_release_sys(signal_cell(view_, signal.peer, signal.id), signal.add);
       }
     }
     group.sync();  // the queue may be appended to again
