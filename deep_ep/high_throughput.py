@@ -686,6 +686,10 @@ class HighThroughputMixin:
         run follows from ``handle``: cached (the dispatch kernel's entry barrier) or not (the notify
         count exchange, which needs the group's E: without a valid one this rank cannot take part)."""
         cached = handle is not None
+        # Hybrid, cached, with this buffer's handle: the dispatch runs on the handle's routing without
+        # data, so the forwarders of other nodes learn that this rank's row streams carry nothing
+        # instead of waiting for them (and its own forwarder keeps its signals in step).
+        own_handle = isinstance(handle, EPHandle) and handle.owner_id == self._serial
         if not cached:
             try:
                 num_experts = self._check_num_experts(num_experts)
@@ -696,6 +700,21 @@ class HighThroughputMixin:
         # The peers' T_max, as far as this rank can tell (a hybrid forwarder keeps their rows).
 
         def launch(stream: int, keep: Any) -> None:
+            if cached and own_handle and handle.hybrid_routing is not None:
+                call = self._ht_call(
+                    handle.num_max_tokens_per_rank, NULL_HIDDEN, handle.num_topk, handle.num_experts, False
+                )
+                keep(*handle.tensors())
+                routing = (
+                    _pointer(handle.topk_idx),
+                    _pointer(handle.dst_buffer_slot_idx),
+                    _pointer(handle.expert_slot_idx),
+                    _pointer(handle.hybrid_routing),
+                )
+                _C.ht_dispatch(
+                    self._runtime, call, handle.num_tokens, 0, 0, routing[0], 0, *routing[1:], True, 1, stream, True
+                )
+                return
             num_max_tokens = handle.num_max_tokens_per_rank if cached else max(1, self.num_max_tokens_per_rank)
             call = self._ht_call(num_max_tokens, NULL_HIDDEN, 1, num_ranks if cached else num_experts, False)
             hybrid = torch.zeros((_C.ht_hybrid_routing_ints(call, 0),), dtype=torch.int32, device=self._torch_device)
@@ -728,7 +747,7 @@ class HighThroughputMixin:
                 )
             no_data = (0, 0, 0, 0, 0, 0, 0)  # num_tokens, x, scales, topk_idx, weights, dst_slot, expert_slot
             hybrid_block = _pointer(hybrid) if call.hybrid else 0
-            _C.ht_dispatch(self._runtime, call, *no_data, hybrid_block, cached, 1, stream, cached)
+            _C.ht_dispatch(self._runtime, call, *no_data, hybrid_block, cached, 1, stream, True)
 
         take_part_without_input(self, error, launch)
 

@@ -250,6 +250,10 @@ constexpr int kSignalBarrier = 0;               // + source node: rail barrier a
 constexpr int kSignalNotify = kMaxNodes;        // + source node: notify counts message landed
 constexpr int kSignalPartials = 2 * kMaxNodes;  // + source node: combine partial rows landed (row count)
 constexpr int kSignalRows = 3 * kMaxNodes;      // + source node * channels + channel: dispatch rows landed
+// Added once to a row stream's signal (with the stream's whole row count, no row written) by a
+// cached hybrid dispatch whose input failed: the forwarder forwards nothing of that stream. Above
+// any row count (rows of a stream <= T_max, which the buffer keeps below it).
+constexpr int64_t kRowsFailedFlag = int64_t{1} << 24;
 // LL across nodes: arrival of (area, local expert l, source s) at l * R + s; each operation adds
 // n + 1 (+ kLowLatencyFailedFlag when the source's input failed) once per (l, s).
 constexpr int kSignalLlArrival = kSignalRows + kMaxNodes * kMaxChannels;

@@ -159,7 +159,9 @@ struct DispatchArgs {
   HybridRouting hybrid;                  // hybrid mode: node_slot, forward_prefix in; forward_token/topk out
   bool entry_barrier = false;            // cached dispatch: no notify ran before, so barrier here
   int num_sms = 1;
-  bool input_failed = false;  // with entry_barrier: this rank sends nothing and tells its peers why
+  // This rank takes part without input: it sends no row (hybrid, cached: only its row streams' counts,
+  // flagged, and its forwarder forwards nothing) and, with entry_barrier, tells its peers why.
+  bool input_failed = false;
 };
 
 struct EpilogueArgs {

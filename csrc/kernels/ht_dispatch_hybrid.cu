@@ -77,6 +77,35 @@ __device__ __forceinline__ void store_scaleout_rows(const DispatchArgs& args, in
   }
 }
 
+// A cached dispatch whose input failed (this rank takes part without data, with its handle): no row
+// is written, but every row stream to another node gets one signal of its whole row count plus
+// kRowsFailedFlag, so the forwarder there neither waits for rows that never come nor forwards
+// stale ones (its node-mates' slots for this rank keep stale data, as in direct mode, and the
+// PeerInputError every peer gets says the result must not be used).
+__device__ void send_failed(const DispatchArgs& args, scaleout::Transport& transport, const scaleout::WarpGroup& group,
+                            int* batch_rows) {
+  const HtCall& call = args.call;
+  const int num_nodes = call.num_nodes();
+  const int node = call.node_of(args.view.rank);
+  const int64_t per_channel = channel_tokens(args.num_tokens, args.hybrid.num_channels);
+  for (int channel = blockIdx.x; channel < args.hybrid.num_channels; channel += gridDim.x) {
+    const int64_t begin = channel * per_channel;
+    const int64_t end = min(begin + per_channel, int64_t{args.num_tokens});
+    for (int64_t t = begin + group.thread; t < end; t += group.num_threads) {
+      for (int m = 0; m < num_nodes; ++m) {
+        if (m != node && args.hybrid.node_slot[t * num_nodes + m] >= 0) atomicAdd(&batch_rows[m], 1);
+      }
+    }
+    transport.signal_each(group, num_nodes, [&](int m) {
+      if (m == node || batch_rows[m] == 0) return scaleout::SignalItem{};
+      return scaleout::SignalItem{call.rail_peer(args.view.rank, m), rows_signal(node, channel),
+                                  static_cast<uint64_t>(batch_rows[m]) + kRowsFailedFlag};
+    });
+    for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
+    group.sync();
+  }
+}
+
 __device__ void send(const DispatchArgs& args, scaleout::DeferredQueue* queue, int* batch_rows) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
@@ -93,6 +122,10 @@ __device__ void send(const DispatchArgs& args, scaleout::DeferredQueue* queue, i
   transport.init(group);
   for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
   group.sync();
+  if (args.input_failed) {
+    if (args.num_tokens > 0) send_failed(args, transport, group, batch_rows);
+    return;
+  }
 
   const int64_t per_channel = channel_tokens(args.num_tokens, hybrid.num_channels);
   for (int channel = blockIdx.x; channel < hybrid.num_channels; channel += gridDim.x) {
@@ -195,6 +228,15 @@ __device__ void forward(const DispatchArgs& args) {
       }
       if (__shfl_sync(kFullMask, arrived ? 1 : 0, 0) == 0) return;
       const int64_t ordinal = first_row + r;
+      // The source's input failed (send_failed): no row came and none is forwarded. The row's
+      // forward_token / forward_topk keep what the handle's first (uncached) dispatch wrote: the
+      // same routing, so a combine with this handle still addresses the right rows.
+      // This rank's own input failed: it does not know the peers' row layout (hidden size, fp8), so
+      // it forwards nothing either (its node-mates' slots for this source keep stale data; every
+      // peer's PeerInputError says the result must not be used), but it waits for the rows, so
+      // its shadows stay in step with the signals.
+      if (args.input_failed) continue;
+      if (__shfl_sync(kFullMask, landed >= static_cast<uint64_t>(kRowsFailedFlag) ? 1 : 0, 0) != 0) continue;
       const uint8_t* row = view.local<uint8_t>(call.scaleout_recv_slot(m, ordinal));
       int expert = -1;
       int32_t slot = -1;
@@ -204,7 +246,8 @@ __device__ void forward(const DispatchArgs& args) {
         slot = __ldcg(reinterpret_cast<const int32_t*>(row + call.scaleout_dst_slot_offset()) + lane);
       }
       const int expert_rank = expert >= 0 ? call.rank_of_expert(expert) : -1;
-      const bool mine = slot >= 0 && expert >= 0 && call.node_of(expert_rank) == node;
+      // The slot is bounded too: a row is never trusted to address past the source's slots.
+      const bool mine = slot >= 0 && slot < call.num_max_tokens() && expert >= 0 && call.node_of(expert_rank) == node;
       const uint32_t dst_lanes = __ballot_sync(kFullMask, mine);
       uint8_t* my_dst = mine ? view.peer<uint8_t>(expert_rank, call.dispatch_slot(source, slot)) : nullptr;
       warp_copy_to_lanes<kForwardUnroll, true>(reinterpret_cast<const int4*>(row), token.bytes / kVectorBytes,
@@ -243,7 +286,14 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const Disp
     const int channel = stream % num_channels;
     if (m == node || threadIdx.x != 0) continue;
     const int32_t* prefix = args.hybrid.forward_prefix + m * (num_channels + 1);
-    scaleout::advance_shadow(view, rows_signal(m, channel), prefix[channel + 1] - prefix[channel]);
+    const int rows = prefix[channel + 1] - prefix[channel];
+    if (rows <= 0) continue;
+    // Every row of the stream landed (the forwarders waited for its last one), so the signal holds
+    // this operation's whole addition: the rows, plus kRowsFailedFlag when the source's input failed.
+    const int signal = rows_signal(m, channel);
+    const uint64_t added = scaleout::read_own_signal(view, signal) - *scaleout::shadow_cell(view, signal);
+    scaleout::advance_shadow(view, signal,
+                             rows + (added >= static_cast<uint64_t>(kRowsFailedFlag) ? kRowsFailedFlag : 0));
   }
   // The final slots of this node's ranks are written by this node's ranks only.
   if (blockIdx.x == 0) {
