@@ -75,11 +75,11 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_REQUIRE(!call.use_fp8 || call.hidden % kFp8GroupSize == 0,
              "hidden must be a multiple of 128 for fp8, got " + std::to_string(call.hidden));
   if (call.hybrid()) {
-    check_hybrid_routing(call, args.hybrid, args.num_tokens);
     EP_REQUIRE(call.num_max_tokens() < kRowsFailedFlag,
                "hybrid dispatch needs num_max_tokens_per_rank < 2^24 (a row stream's count stays below the "
                "failed-input flag), got " +
                    std::to_string(call.num_max_tokens()));
+    check_hybrid_routing(call, args.hybrid, args.num_tokens);
     launch_hybrid_dispatch(args, stream);
     return;
   }

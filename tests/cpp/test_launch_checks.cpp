@@ -161,5 +161,18 @@ TEST(CallCheck, HybridLaunchNeedsTheHybridArrays) {
   EXPECT_NE(message.find("num_channels"), std::string::npos) << message;
 }
 
+// A hybrid row stream's count must stay below the failed-input flag a cached dispatch adds to it.
+TEST(CallCheck, HybridDispatchKeepsRowCountsBelowTheFailedFlag) {
+  DeviceView view = view_with_cap(4);
+  view.num_scaleup_ranks = 1;
+  ht::DispatchArgs dispatch;
+  dispatch.view = view;
+  dispatch.call = make_ht_call(Topology{2, 1}, 0, kRowsFailedFlag, 8, 2, 8, false);
+  dispatch.num_sms = 1;
+  const std::string message = refusal([&] { ht::launch_dispatch(dispatch, nullptr); });
+  EXPECT_NE(message.find("below the failed-input flag"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(kRowsFailedFlag)), std::string::npos) << message;
+}
+
 }  // namespace
 }  // namespace deep_ep
