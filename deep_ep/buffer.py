@@ -153,6 +153,9 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         # rank then says which call each one had reached.
         self._calls: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=CALL_LOG_LENGTH)
         self._num_calls = 0
+        # Opt-in, not yet measured on a GPU: HT dispatch queues its copy epilogue before the host
+        # waits for the counts (deep_ep/high_throughput.py).
+        self._ht_speculative_epilogue = _env_flag("EP_HT_SPECULATIVE_EPILOGUE")
         if not torch.cuda.is_available():
             raise RuntimeError("ElasticBuffer needs a CUDA device; none is available")
         self.group = group

@@ -94,6 +94,19 @@ def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
 
 
+# Speculative output capacity (EP_HT_SPECULATIVE_EPILOGUE, see HighThroughputMixin.dispatch): the
+# previous call's count of the same shape plus a quarter and 128 rows, in whole 128-row blocks,
+# never above the worst case.
+SPECULATIVE_HEADROOM_ROWS = 128
+
+
+def speculative_rows(last: int, worst: int) -> int:
+    """Rows to allocate before the counts are known, from ``last`` (the previous call's count of the
+    same shape) and ``worst`` (the most the call can receive)."""
+    wanted = _align_up(last + last // 4 + SPECULATIVE_HEADROOM_ROWS, SPECULATIVE_HEADROOM_ROWS)
+    return max(0, min(worst, wanted))
+
+
 def _cuda_event(event: EventOverlap | torch.cuda.Event) -> torch.cuda.Event:
     return event.event if isinstance(event, EventOverlap) else event
 
@@ -183,6 +196,7 @@ class HighThroughputMixin:
     _comm_stream: torch.cuda.Stream
     _max_num_sms: int
     _max_ht_num_sms: int
+    _ht_speculative_epilogue: bool
     _serial: int
     _torch_device: torch.device
     num_ranks: int
@@ -413,26 +427,38 @@ class HighThroughputMixin:
             False,
         )
 
+        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; not yet measured on a GPU): with a
+        # CPU sync, the outputs are allocated at a capacity guessed from the previous call of this
+        # shape and the copy epilogue is queued before the host waits for the counts, so the GPU
+        # does not idle while the host allocates; the outputs are then narrowed to the counts, or,
+        # when the guess was short, allocated exactly and copied again (the epilogue skips rows past
+        # the allocated ones).
+        history_key = (
+            call.num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            num_experts,
+            use_fp8,
+            do_expand,
+            expert_alignment,
+        )
+        worst_recv = num_ranks * num_max_tokens
+        worst_expanded = _align_up(
+            worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
+        )
+        last = self.__dict__.setdefault("_ht_last_counts", {}).get(history_key)
+        speculative = not cached and do_cpu_sync and self._ht_speculative_epilogue and last is not None
         if not cached:
-            if do_cpu_sync:
+            if speculative:
+                new_handle.num_recv_tokens = speculative_rows(last[0], worst_recv)
+                new_handle.num_expanded_tokens = speculative_rows(last[1], worst_expanded)
+            elif do_cpu_sync:
                 # The dispatch kernel is already moving data; only the output allocation waits. This
                 # is a synchronisation point: what the kernels reported so far is raised here.
-                try:
-                    self._wait_mapped_counter(_C.HT_MAPPED_READY)
-                    values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
-                    self._check_device_errors()
-                except BaseException:
-                    # The kernels may still run and read the handle's arrays and the inputs: order
-                    # whatever the caller does next (freeing them included) after them.
-                    launch.compute.wait_stream(launch.comm)
-                    raise
-                new_handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
-                new_handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
-                new_handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
+                self._read_dispatch_counts(launch, new_handle, num_local, history_key)
             else:
-                new_handle.num_recv_tokens = num_ranks * num_max_tokens
-                worst = num_ranks * num_max_tokens * min(num_topk, num_local) + (expert_alignment - 1) * num_local
-                new_handle.num_expanded_tokens = _align_up(worst, expert_alignment)
+                new_handle.num_recv_tokens = worst_recv
+                new_handle.num_expanded_tokens = worst_expanded
             if do_expand:
                 new_handle.recv_expanded_row_idx = launch.empty(
                     (new_handle.num_recv_tokens, num_topk), torch.int32, device
@@ -454,25 +480,55 @@ class HighThroughputMixin:
                 cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
         if previous_event_before_epilogue is not None:
             launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
-        _C.ht_dispatch_epilogue(
-            self._runtime,
-            call,
-            do_expand,
-            expert_alignment,
-            topk_weights is not None,
-            _pointer(new_handle.counts),
-            num_rows,
-            new_handle.num_recv_tokens,
-            _pointer(recv_x),
-            _pointer(recv_scales),
-            _pointer(recv_topk_idx),
-            _pointer(recv_topk_weights),
-            # A cached dispatch has the same routing: the handle's source info and row map are already right.
-            0 if cached else _pointer(new_handle.recv_src_info),
-            0 if cached else _pointer(new_handle.recv_expanded_row_idx),
-            self._max_num_sms,
-            launch.stream,
-        )
+
+        def epilogue(outputs: tuple[Any, ...], num_meta_rows: int) -> None:
+            rows_x, rows_scales, rows_topk_idx, rows_weights = outputs
+            _C.ht_dispatch_epilogue(
+                self._runtime,
+                call,
+                do_expand,
+                expert_alignment,
+                topk_weights is not None,
+                _pointer(new_handle.counts),
+                rows_x.shape[0],
+                num_meta_rows,
+                _pointer(rows_x),
+                _pointer(rows_scales),
+                _pointer(rows_topk_idx),
+                _pointer(rows_weights),
+                # A cached dispatch has the same routing: the handle's source info and row map are already right.
+                0 if cached else _pointer(new_handle.recv_src_info),
+                0 if cached else _pointer(new_handle.recv_expanded_row_idx),
+                self._max_num_sms,
+                launch.stream,
+            )
+
+        outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights)
+        epilogue(outputs, new_handle.num_recv_tokens)
+        if speculative:
+            capacity = (new_handle.num_recv_tokens, num_rows)
+            self._read_dispatch_counts(launch, new_handle, num_local, history_key)
+            num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
+            if new_handle.num_recv_tokens <= capacity[0] and num_rows <= capacity[1]:
+                outputs = tuple(None if t is None else t[:num_rows] for t in outputs)
+                new_handle.recv_src_info = new_handle.recv_src_info[: new_handle.num_recv_tokens]
+                if do_expand:
+                    new_handle.recv_expanded_row_idx = new_handle.recv_expanded_row_idx[: new_handle.num_recv_tokens]
+            else:
+                # Short guess: exact outputs and a second copy. The first ones stay referenced by the
+                # launch (finish() keeps them until the epilogue that writes them is done).
+                outputs = tuple(
+                    None if t is None else launch.empty((num_rows, *t.shape[1:]), t.dtype, device) for t in outputs
+                )
+                new_handle.recv_src_info = launch.empty(
+                    (new_handle.num_recv_tokens, _C.HT_SRC_INFO_COLUMNS), torch.int32, device
+                )
+                if do_expand:
+                    new_handle.recv_expanded_row_idx = launch.empty(
+                        (new_handle.num_recv_tokens, num_topk), torch.int32, device
+                    )
+                epilogue(outputs, new_handle.num_recv_tokens)
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
         if packed_scales:
             recv_scales = _packed_like_input(launch, recv_scales, device)
         if use_fp8 and use_tma_aligned_col_major_sf:
@@ -482,6 +538,26 @@ class HighThroughputMixin:
         event = launch.finish(async_with_compute_stream, used)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
+
+    def _read_dispatch_counts(self, launch: _CommLaunch, handle: EPHandle, num_local: int, history_key: tuple) -> None:
+        """The host wait for an uncached dispatch's counts (a synchronisation point: what the kernels
+        reported so far is raised here); fills the handle's sizes and remembers them for this shape."""
+        try:
+            self._wait_mapped_counter(_C.HT_MAPPED_READY)
+            values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
+            self._check_device_errors()
+        except BaseException:
+            # The kernels may still run and read the handle's arrays and the inputs: order whatever
+            # the caller does next (freeing them included) after them.
+            launch.compute.wait_stream(launch.comm)
+            raise
+        handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
+        handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
+        handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
+        self.__dict__.setdefault("_ht_last_counts", {})[history_key] = (
+            handle.num_recv_tokens,
+            handle.num_expanded_tokens,
+        )
 
     def _notify(
         self,
