@@ -47,6 +47,9 @@ FP8_GROUP = 128
 KERNELS = ("notify_kernel", "dispatch_kernel", "epilogue_kernel", "combine_kernel", "reduce_kernel")
 OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "dispatch_bf16_cached", "combine_bf16")
 BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
+# --speculative-epilogue: the uncached dispatches again with EP_HT_SPECULATIVE_EPILOGUE's behaviour
+# (outputs at a guessed capacity, epilogue queued before the host waits), in the same run.
+SPECULATIVE_OPERATIONS = ("dispatch_fp8_speculative", "dispatch_bf16_speculative")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,11 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--host-profile", action="store_true", help="print a cProfile of 200 uncached fp8 dispatch calls (rank 0)"
     )
+    parser.add_argument(
+        "--speculative-epilogue",
+        action="store_true",
+        help="also time the uncached dispatches with the speculative epilogue (EP_HT_SPECULATIVE_EPILOGUE)",
+    )
     return parser.parse_args(argv)
 
 
 def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
-    return OPERATIONS + BASELINE_OPERATIONS if config.get("baseline") else OPERATIONS
+    names = OPERATIONS + (SPECULATIVE_OPERATIONS if config.get("speculative_epilogue") else ())
+    return names + BASELINE_OPERATIONS if config.get("baseline") else names
 
 
 def parse_ranks_per_node(text: str) -> list[int]:
@@ -236,7 +245,23 @@ def bench_tokens(
             "dispatch_bf16_cached": lambda: buffer.dispatch(x, topk_weights=weights, handle=handle, num_sms=sms),
             "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_weights),
         }
+        if config.get("speculative_epilogue"):
+            operations["dispatch_fp8_speculative"] = speculatively(operations["dispatch_fp8"])
+            operations["dispatch_bf16_speculative"] = speculatively(operations["dispatch_bf16"])
         return operations, handle
+
+    def speculatively(operation):
+        """``operation`` with the buffer's speculative epilogue on (its guess comes from the same
+        shape's previous call: the plain operation's warmup already left one)."""
+
+        def run():
+            buffer._ht_speculative_epilogue = True
+            try:
+                return operation()
+            finally:
+                buffer._ht_speculative_epilogue = False
+
+        return run
 
     for requested in config["num_sms"]:
         operations, handle = operations_at(requested)
@@ -578,6 +603,8 @@ def main(argv: list[str] | None = None) -> None:
         config["baseline"] = True
     if args.host_profile:
         config["host_profile"] = True
+    if args.speculative_epilogue:
+        config["speculative_epilogue"] = True
     try:
         ranks_per_node = parse_ranks_per_node(args.num_ranks_per_node)
         if ranks_per_node:
