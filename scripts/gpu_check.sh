@@ -13,14 +13,17 @@
 #        optional, run in the order given, e.g.
 #        "4:tests/gpu/test_low_latency.py,tests/gpu/test_faults.py:240 8:tests/gpu/test_moe_layer.py:150";
 #        put a suite that may hang last), EP_GPU_CHECK_BUDGET (seconds: a step that would start after
-#        this much time since the start is skipped and reported, so that the logs still come back).
+#        this much time since the start is skipped and reported, so that the logs still come back),
+#        EP_GPU_CHECK_COMMANDS (further commands run last, under MPS, separated by ";;", each under the
+#        per-run timeout and the budget, output in $OUT/command_N.log, e.g.
+#        "python3 benchmarks/bench_ll.py --num-ranks 8 --num-ranks-per-node 4 --out $OUT/vn").
 # EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
 # The device tool brings back at most 8 files: when $OUT holds more, the logs are packed into
 # $OUT/logs.tar.gz (JSON and plots stay as they are).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-$PWD/out}
+export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export EP_RESULTS_DIR=$OUT
@@ -125,6 +128,26 @@ if [[ $BENCH == 1 ]]; then
     summary+=("$bench (${BENCH_RANKS} ranks): rc=$rc $(( $(date +%s) - t0 )) s")
     tail -25 "$OUT/${bench}.log"
   done
+fi
+
+if [[ -n ${EP_GPU_CHECK_COMMANDS:-} ]]; then
+  index=0
+  commands=${EP_GPU_CHECK_COMMANDS//;;/$'\n'}
+  while IFS= read -r command; do
+    [[ -n ${command// /} ]] || continue
+    index=$(( index + 1 ))
+    if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+      summary+=("command $index: skipped, the $BUDGET s budget is spent")
+      skipped=$(( skipped + 1 ))
+      continue
+    fi
+    t0=$(date +%s)
+    timeout "$PER_RUN_TIMEOUT" bash -c "$command" > "$OUT/command_${index}.log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && status=1
+    summary+=("command $index ($command): rc=$rc $(( $(date +%s) - t0 )) s (command_${index}.log)")
+    tail -12 "$OUT/command_${index}.log"
+  done <<< "$commands"
 fi
 
 for file in "$OUT"/barrier_latency_*ranks.json; do
