@@ -156,6 +156,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         # Opt-in, not yet measured on a GPU: HT dispatch queues its copy epilogue before the host
         # waits for the counts (deep_ep/high_throughput.py).
         self._ht_speculative_epilogue = _env_flag("EP_HT_SPECULATIVE_EPILOGUE")
+        self._ht_last_counts: dict = {}  # the counts of the last CPU-synced dispatch of each shape
         if not torch.cuda.is_available():
             raise RuntimeError("ElasticBuffer needs a CUDA device; none is available")
         self.group = group

@@ -197,6 +197,7 @@ class HighThroughputMixin:
     _max_num_sms: int
     _max_ht_num_sms: int
     _ht_speculative_epilogue: bool
+    _ht_last_counts: dict[tuple[Any, ...], tuple[int, int]]  # (call, expand, alignment) -> last counts
     _serial: int
     _torch_device: torch.device
     num_ranks: int
@@ -427,38 +428,8 @@ class HighThroughputMixin:
             False,
         )
 
-        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; not yet measured on a GPU): with a
-        # CPU sync, the outputs are allocated at a capacity guessed from the previous call of this
-        # shape and the copy epilogue is queued before the host waits for the counts, so the GPU
-        # does not idle while the host allocates; the outputs are then narrowed to the counts, or,
-        # when the guess was short, allocated exactly and copied again (the epilogue skips rows past
-        # the allocated ones).
-        history_key = (
-            call.num_max_tokens_per_rank,
-            hidden,
-            num_topk,
-            num_experts,
-            use_fp8,
-            do_expand,
-            expert_alignment,
-        )
-        worst_recv = num_ranks * num_max_tokens
-        worst_expanded = _align_up(
-            worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
-        )
-        last = self.__dict__.setdefault("_ht_last_counts", {}).get(history_key)
-        speculative = not cached and do_cpu_sync and self._ht_speculative_epilogue and last is not None
-        if not cached:
-            if speculative:
-                new_handle.num_recv_tokens = speculative_rows(last[0], worst_recv)
-                new_handle.num_expanded_tokens = speculative_rows(last[1], worst_expanded)
-            elif do_cpu_sync:
-                # The dispatch kernel is already moving data; only the output allocation waits. This
-                # is a synchronisation point: what the kernels reported so far is raised here.
-                self._read_dispatch_counts(launch, new_handle, num_local, history_key)
-            else:
-                new_handle.num_recv_tokens = worst_recv
-                new_handle.num_expanded_tokens = worst_expanded
+        def allocate_meta() -> None:
+            """The handle's per-row arrays, at the handle's num_recv_tokens."""
             if do_expand:
                 new_handle.recv_expanded_row_idx = launch.empty(
                     (new_handle.num_recv_tokens, num_topk), torch.int32, device
@@ -467,21 +438,20 @@ class HighThroughputMixin:
                 (new_handle.num_recv_tokens, _C.HT_SRC_INFO_COLUMNS), torch.int32, device
             )
 
-        num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
-        recv_x = launch.empty((num_rows, hidden), data.dtype, device)
-        recv_scales = launch.empty((num_rows, hidden // FP8_GROUP_SIZE), torch.float32, device) if use_fp8 else None
-        recv_topk_idx = None if do_expand else launch.empty((num_rows, num_topk), torch.int64, device)
-        recv_topk_weights = None
-        if topk_weights is not None:
-            shape = (num_rows,) if do_expand else (num_rows, num_topk)
-            recv_topk_weights = launch.empty(shape, torch.float32, device)
-        if cumulative_local_expert_recv_stats is not None:
-            with torch.cuda.stream(launch.comm):
-                cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
-        if previous_event_before_epilogue is not None:
-            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+        def allocate_outputs(num_rows: int) -> tuple[Any, ...]:
+            """(recv_x, recv_scales, recv_topk_idx, recv_topk_weights) of num_rows rows."""
+            recv_topk_weights = None
+            if topk_weights is not None:
+                shape = (num_rows,) if do_expand else (num_rows, num_topk)
+                recv_topk_weights = launch.empty(shape, torch.float32, device)
+            return (
+                launch.empty((num_rows, hidden), data.dtype, device),
+                launch.empty((num_rows, hidden // FP8_GROUP_SIZE), torch.float32, device) if use_fp8 else None,
+                None if do_expand else launch.empty((num_rows, num_topk), torch.int64, device),
+                recv_topk_weights,
+            )
 
-        def epilogue(outputs: tuple[Any, ...], num_meta_rows: int) -> None:
+        def epilogue(outputs: tuple[Any, ...]) -> None:
             rows_x, rows_scales, rows_topk_idx, rows_weights = outputs
             _C.ht_dispatch_epilogue(
                 self._runtime,
@@ -491,7 +461,7 @@ class HighThroughputMixin:
                 topk_weights is not None,
                 _pointer(new_handle.counts),
                 rows_x.shape[0],
-                num_meta_rows,
+                new_handle.num_recv_tokens,
                 _pointer(rows_x),
                 _pointer(rows_scales),
                 _pointer(rows_topk_idx),
@@ -503,8 +473,41 @@ class HighThroughputMixin:
                 launch.stream,
             )
 
-        outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights)
-        epilogue(outputs, new_handle.num_recv_tokens)
+        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; not yet measured on a GPU): with a
+        # CPU sync, the outputs are allocated at a capacity guessed from the previous call of this
+        # shape and the copy epilogue is queued before the host waits for the counts, so the GPU
+        # does not idle while the host allocates; the outputs are then narrowed to the counts, or,
+        # when the guess was short, allocated exactly and copied again (the epilogue skips rows past
+        # the allocated ones).
+        speculative = False
+        if not cached:
+            history_key = (call, do_expand, expert_alignment)  # one cached HtCall per shape
+            worst_recv = num_ranks * num_max_tokens
+            worst_expanded = _align_up(
+                worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
+            )
+            last = self._ht_last_counts.get(history_key) if do_cpu_sync and self._ht_speculative_epilogue else None
+            speculative = last is not None
+            if speculative:
+                new_handle.num_recv_tokens = speculative_rows(last[0], worst_recv)
+                new_handle.num_expanded_tokens = speculative_rows(last[1], worst_expanded)
+            elif do_cpu_sync:
+                # The dispatch kernel is already moving data; only the output allocation waits. This
+                # is a synchronisation point: what the kernels reported so far is raised here.
+                self._read_dispatch_counts(launch, new_handle, num_local, history_key)
+            else:
+                new_handle.num_recv_tokens = worst_recv
+                new_handle.num_expanded_tokens = worst_expanded
+            allocate_meta()
+
+        num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
+        outputs = allocate_outputs(num_rows)
+        if cumulative_local_expert_recv_stats is not None:
+            with torch.cuda.stream(launch.comm):
+                cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
+        if previous_event_before_epilogue is not None:
+            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+        epilogue(outputs)
         if speculative:
             capacity = (new_handle.num_recv_tokens, num_rows)
             self._read_dispatch_counts(launch, new_handle, num_local, history_key)
@@ -517,18 +520,10 @@ class HighThroughputMixin:
             else:
                 # Short guess: exact outputs and a second copy. The first ones stay referenced by the
                 # launch (finish() keeps them until the epilogue that writes them is done).
-                outputs = tuple(
-                    None if t is None else launch.empty((num_rows, *t.shape[1:]), t.dtype, device) for t in outputs
-                )
-                new_handle.recv_src_info = launch.empty(
-                    (new_handle.num_recv_tokens, _C.HT_SRC_INFO_COLUMNS), torch.int32, device
-                )
-                if do_expand:
-                    new_handle.recv_expanded_row_idx = launch.empty(
-                        (new_handle.num_recv_tokens, num_topk), torch.int32, device
-                    )
-                epilogue(outputs, new_handle.num_recv_tokens)
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
+                allocate_meta()
+                outputs = allocate_outputs(num_rows)
+                epilogue(outputs)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
         if packed_scales:
             recv_scales = _packed_like_input(launch, recv_scales, device)
         if use_fp8 and use_tma_aligned_col_major_sf:
@@ -554,10 +549,7 @@ class HighThroughputMixin:
         handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
         handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
         handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
-        self.__dict__.setdefault("_ht_last_counts", {})[history_key] = (
-            handle.num_recv_tokens,
-            handle.num_expanded_tokens,
-        )
+        self._ht_last_counts[history_key] = (handle.num_recv_tokens, handle.num_expanded_tokens)
 
     def _notify(
         self,
