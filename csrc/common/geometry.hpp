@@ -250,19 +250,18 @@ constexpr int kSignalBarrier = 0;               // + source node: rail barrier a
 constexpr int kSignalNotify = kMaxNodes;        // + source node: notify counts message landed
 constexpr int kSignalPartials = 2 * kMaxNodes;  // + source node: combine partial rows landed (row count)
 constexpr int kSignalRows = 3 * kMaxNodes;      // + source node * channels + channel: dispatch rows landed
-// Added once to a row stream's signal (with the stream's whole row count, no row written) by a
-// cached hybrid dispatch whose input failed: the forwarder forwards nothing of that stream. Above
-// any row count (rows of a stream <= T_max, which the buffer keeps below it).
-constexpr int64_t kRowsFailedFlag = int64_t{1} << 24;
+// Added once per operation to a scale-out signal by a source whose input failed: to an LL arrival
+// (n + 1, no rows), and to a hybrid row stream's signal (a cached dispatch: the stream's whole row
+// count, no row written; the forwarder then forwards nothing of it). Above any count such a signal
+// carries: T_ll + 1 (the LL send kernel's shared-memory check keeps T_ll far below it) and a
+// stream's rows <= T_max (the hybrid dispatch launcher checks T_max < this).
+constexpr int64_t kFailedInputSignalFlag = int64_t{1} << 24;
 // LL across nodes: arrival of (area, local expert l, source s) at l * R + s; each operation adds
-// n + 1 (+ kLowLatencyFailedFlag when the source's input failed) once per (l, s).
+// n + 1 (+ kFailedInputSignalFlag when the source's input failed) once per (l, s).
 constexpr int kSignalLlArrival = kSignalRows + kMaxNodes * kMaxChannels;
 // LL across nodes: + area * kMaxRanks + source: operations on that area the source has released.
 constexpr int kSignalLlRelease = kSignalLlArrival + kLowLatencyAreas * kMaxExperts;
 constexpr int kMaxScaleoutSignals = kSignalLlRelease + kLowLatencyAreas * kMaxRanks;
-// Added to an LL arrival when the source's input failed (no rows); above any count an arrival
-// carries (T_ll + 1: the launchers check T_ll < this).
-constexpr int64_t kLowLatencyFailedFlag = int64_t{1} << 24;
 // Hybrid notify message to one node: [S rank counts][S * L expert counts][channels + 1 row prefix];
 // the messages to all nodes together hold R + E + N * (channels + 1) ints, each padded to 16 bytes.
 constexpr int64_t kMaxNotifyMessageInts = kMaxRanks + kMaxExperts + int64_t{kMaxNodes} * (kMaxChannels + 4);

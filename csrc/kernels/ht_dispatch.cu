@@ -75,7 +75,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   EP_REQUIRE(!call.use_fp8 || call.hidden % kFp8GroupSize == 0,
              "hidden must be a multiple of 128 for fp8, got " + std::to_string(call.hidden));
   if (call.hybrid()) {
-    EP_REQUIRE(call.num_max_tokens() < kRowsFailedFlag,
+    EP_REQUIRE(call.num_max_tokens() < kFailedInputSignalFlag,
                "hybrid dispatch needs num_max_tokens_per_rank < 2^24 (a row stream's count stays below the "
                "failed-input flag), got " +
                    std::to_string(call.num_max_tokens()));

@@ -79,7 +79,7 @@ __device__ __forceinline__ void store_scaleout_rows(const DispatchArgs& args, in
 
 // A cached dispatch whose input failed (this rank takes part without data, with its handle): no row
 // is written, but every row stream to another node gets one signal of its whole row count plus
-// kRowsFailedFlag, so the forwarder there neither waits for rows that never come nor forwards
+// kFailedInputSignalFlag, so the forwarder there neither waits for rows that never come nor forwards
 // stale ones (its node-mates' slots for this rank keep stale data, as in direct mode, and the
 // PeerInputError every peer gets says the result must not be used).
 __device__ void send_failed(const DispatchArgs& args, scaleout::Transport& transport, const scaleout::WarpGroup& group,
@@ -99,7 +99,7 @@ __device__ void send_failed(const DispatchArgs& args, scaleout::Transport& trans
     transport.signal_each(group, num_nodes, [&](int m) {
       if (m == node || batch_rows[m] == 0) return scaleout::SignalItem{};
       return scaleout::SignalItem{call.rail_peer(args.view.rank, m), rows_signal(node, channel),
-                                  static_cast<uint64_t>(batch_rows[m]) + kRowsFailedFlag};
+                                  static_cast<uint64_t>(batch_rows[m]) + kFailedInputSignalFlag};
     });
     for (int m = group.thread; m < num_nodes; m += group.num_threads) batch_rows[m] = 0;
     group.sync();
@@ -236,7 +236,7 @@ __device__ void forward(const DispatchArgs& args) {
       // peer's PeerInputError says the result must not be used), but it waits for the rows, so
       // its shadows stay in step with the signals.
       if (args.input_failed) continue;
-      if (__shfl_sync(kFullMask, landed >= static_cast<uint64_t>(kRowsFailedFlag) ? 1 : 0, 0) != 0) continue;
+      if (__shfl_sync(kFullMask, landed >= static_cast<uint64_t>(kFailedInputSignalFlag) ? 1 : 0, 0) != 0) continue;
       const uint8_t* row = view.local<uint8_t>(call.scaleout_recv_slot(m, ordinal));
       int expert = -1;
       int32_t slot = -1;
@@ -289,11 +289,11 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const Disp
     const int rows = prefix[channel + 1] - prefix[channel];
     if (rows <= 0) continue;
     // Every row of the stream landed (the forwarders waited for its last one), so the signal holds
-    // this operation's whole addition: the rows, plus kRowsFailedFlag when the source's input failed.
+    // this operation's whole addition: the rows, plus kFailedInputSignalFlag when the source's input failed.
     const int signal = rows_signal(m, channel);
     const uint64_t added = scaleout::read_own_signal(view, signal) - *scaleout::shadow_cell(view, signal);
-    scaleout::advance_shadow(view, signal,
-                             rows + (added >= static_cast<uint64_t>(kRowsFailedFlag) ? kRowsFailedFlag : 0));
+    scaleout::advance_shadow(
+        view, signal, rows + (added >= static_cast<uint64_t>(kFailedInputSignalFlag) ? kFailedInputSignalFlag : 0));
   }
   // The final slots of this node's ranks are written by this node's ranks only.
   if (blockIdx.x == 0) {

@@ -30,7 +30,7 @@
 //   * across nodes (DeviceView::ll_ranks_per_node > 0): a peer of another node is reached through
 //     the scale-out transport instead of stores. Rows are staged in the sender's window and put;
 //     the arrival of (l, s) is signal kSignalLlArrival (area, l, s), which grows by n + 1 per
-//     operation (+ kLowLatencyFailedFlag for a failed input) and is never reset (the receiver
+//     operation (+ kFailedInputSignalFlag for a failed input) and is never reset (the receiver
 //     keeps a shadow); releases are signals kSignalLlRelease (area, s) holding the released count
 //     itself. One signal covers the puts its CTA issued before it (the whole CTA is the group).
 //   * rank masking (opt-in, `rank_mask`): a masked peer is skipped by every send (no rows, no
@@ -207,7 +207,7 @@ __device__ __forceinline__ int64_t released_by(const DeviceView& view, const Low
 
 // LL across nodes: waits (or masks, as wait_or_mask) until arrival signal `id` of `source` grew
 // past `before` (its shadow, read by the caller). `*delta` gets how much it grew: this operation's
-// n + 1, plus kLowLatencyFailedFlag when the source's input failed (one addition per operation).
+// n + 1, plus kFailedInputSignalFlag when the source's input failed (one addition per operation).
 __device__ __forceinline__ WaitResult wait_arrival_signal(const DeviceView& view, int32_t* rank_mask,
                                                           Operation operation, Phase phase, int source, int id,
                                                           uint64_t before, int64_t* delta) {
@@ -249,7 +249,7 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
                                            int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  // Peers on other nodes learn it from the arrival signals (kLowLatencyFailedFlag) instead.
+  // Peers on other nodes learn it from the arrival signals (kFailedInputSignalFlag) instead.
   if (input_failed) announce_input_failed(view, [&](int peer) { return via_transport(view, peer); });
   if (blockIdx.x == 0) {
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {

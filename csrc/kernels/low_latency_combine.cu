@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
           if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
           const int unit = unit_of(j);
           const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
-                               (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
+                               (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
           return scaleout::SignalItem{unit % num_ranks,
                                       low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
         });
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
       int64_t delta = 0;
       result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source,
                                                 id, *scaleout::shadow_cell(view, id), &delta);
-      if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kLowLatencyFailedFlag) {
+      if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
         record_peer_failed(view, Operation::kLlCombine, source);
       }
     } else {

@@ -290,7 +290,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
         if (signal_expert[j] == 0) return scaleout::SignalItem{};
         const int expert = expert_of(j);
         const uint64_t add = static_cast<uint64_t>(list_sizes[j]) + 1 +
-                             (args.input_failed ? static_cast<uint64_t>(kLowLatencyFailedFlag) : 0);
+                             (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
         return scaleout::SignalItem{expert / num_local,
                                     low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add};
       });
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   const long long start = clock64();
   for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-      int64_t value = 0;  // count + 1 (+ kLowLatencyFailedFlag across nodes when its input failed)
+      int64_t value = 0;  // count + 1 (+ kFailedInputSignalFlag across nodes when its input failed)
       bool arrived = false;
       if (low_latency::via_transport(view, source)) {
         // Across nodes: this thread is the only reader of the (area, l, s) signal; one operation
@@ -410,8 +410,8 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
                                                    source, id, before, &value) == WaitResult::kArrived;
         if (arrived) {
           *shadow = before + static_cast<uint64_t>(value);
-          if (value >= kLowLatencyFailedFlag) record_peer_failed(view, Operation::kLlDispatch, source);
-          value %= kLowLatencyFailedFlag;
+          if (value >= kFailedInputSignalFlag) record_peer_failed(view, Operation::kLlDispatch, source);
+          value %= kFailedInputSignalFlag;
         }
       } else {
         int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);

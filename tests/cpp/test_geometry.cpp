@@ -140,7 +140,7 @@ TEST(ScaleoutSignals, LowLatencyIdsFollowHybridAndFit) {
   EXPECT_EQ(kSignalLlRelease, kSignalLlArrival + kLowLatencyAreas * kMaxExperts);
   EXPECT_EQ(kMaxScaleoutSignals, kSignalLlRelease + kLowLatencyAreas * kMaxRanks);
   EXPECT_LT(kMaxScaleoutSignals, 1 << 16);
-  EXPECT_GT(kLowLatencyFailedFlag, int64_t{1} << 16);
+  EXPECT_GT(kFailedInputSignalFlag, int64_t{1} << 16);
   EXPECT_LE(WorkspaceLayout::ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 4, WorkspaceLayout::bytes);
 }
 

@@ -167,11 +167,11 @@ TEST(CallCheck, HybridDispatchKeepsRowCountsBelowTheFailedFlag) {
   view.num_scaleup_ranks = 1;
   ht::DispatchArgs dispatch;
   dispatch.view = view;
-  dispatch.call = make_ht_call(Topology{2, 1}, 0, kRowsFailedFlag, 8, 2, 8, false);
+  dispatch.call = make_ht_call(Topology{2, 1}, 0, kFailedInputSignalFlag, 8, 2, 8, false);
   dispatch.num_sms = 1;
   const std::string message = refusal([&] { ht::launch_dispatch(dispatch, nullptr); });
   EXPECT_NE(message.find("below the failed-input flag"), std::string::npos) << message;
-  EXPECT_NE(message.find(std::to_string(kRowsFailedFlag)), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(kFailedInputSignalFlag)), std::string::npos) << message;
 }
 
 }  // namespace
