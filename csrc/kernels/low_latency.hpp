@@ -28,8 +28,9 @@
 //     sets its input-failed cell in every peer before publishing arrival cells; receivers record
 //     it (not fatal) after acquiring a cell of that peer.
 //   * across nodes (DeviceView::ll_ranks_per_node > 0): a peer of another node is reached through
-//     the scale-out transport instead of stores. Rows are staged in the sender's window and put;
-//     the arrival of (l, s) is signal kSignalLlArrival (area, l, s), which grows by n + 1 per
+//     the scale-out transport instead of stores. Rows are staged in the sender's window and put
+//     (with `lsa`, whose puts are stores anyway, stored straight into the peer instead); the
+//     arrival of (l, s) is signal kSignalLlArrival (area, l, s), which grows by n + 1 per
 //     operation (+ kFailedInputSignalFlag for a failed input) and is never reset (the receiver
 //     keeps a shadow); releases are signals kSignalLlRelease (area, s) holding the released count
 //     itself. One signal covers the puts its CTA issued before it (the whole CTA is the group).
