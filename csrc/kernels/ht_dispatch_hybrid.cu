@@ -228,14 +228,14 @@ __device__ void forward(const DispatchArgs& args) {
       }
       if (__shfl_sync(kFullMask, arrived ? 1 : 0, 0) == 0) return;
       const int64_t ordinal = first_row + r;
+      // This rank's own input failed: it does not know the peers' row layout (hidden size, fp8), so
+      // it forwards nothing (its node-mates' slots for this source keep stale data; every peer's
+      // PeerInputError says the result must not be used), but it waits for the rows, so its
+      // shadows stay in step with the signals.
+      if (args.input_failed) continue;
       // The source's input failed (send_failed): no row came and none is forwarded. The row's
       // forward_token / forward_topk keep what the handle's first (uncached) dispatch wrote: the
       // same routing, so a combine with this handle still addresses the right rows.
-      // This rank's own input failed: it does not know the peers' row layout (hidden size, fp8), so
-      // it forwards nothing either (its node-mates' slots for this source keep stale data; every
-      // peer's PeerInputError says the result must not be used), but it waits for the rows, so
-      // its shadows stay in step with the signals.
-      if (args.input_failed) continue;
       if (__shfl_sync(kFullMask, landed >= static_cast<uint64_t>(kFailedInputSignalFlag) ? 1 : 0, 0) != 0) continue;
       const uint8_t* row = view.local<uint8_t>(call.scaleout_recv_slot(m, ordinal));
       int expert = -1;
