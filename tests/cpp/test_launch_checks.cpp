@@ -47,36 +47,27 @@ TEST(GridSizeCheck, NamesTheCapAndTheValue) {
   EXPECT_FALSE(refusal([] { check_grid_size(view_with_cap(16), "num_ctas", 0); }).empty());
 }
 
+// What `launch` refuses (empty: nothing) for a small direct call on `view` with a grid of
+// `num_ctas` in the argument field `grid` (num_sms or num_ctas).
+template <typename Args>
+std::string grid_refusal(void (*launch)(const Args&, cudaStream_t), int Args::*grid, int num_ctas,
+                         const DeviceView& view) {
+  Args args;
+  args.view = view;
+  args.call = small_call();
+  args.*grid = num_ctas;
+  return refusal([&] { launch(args, nullptr); });
+}
+
 TEST(GridSizeCheck, HighThroughputLaunchersRefuseAGridAboveTheCap) {
-  ht::NotifyArgs notify;
-  notify.view = view_with_cap(4);
-  notify.call = small_call();
-  notify.num_sms = 5;
-  EXPECT_NE(refusal([&] { ht::launch_notify(notify, nullptr); }).find("got 5"), std::string::npos);
-
-  ht::DispatchArgs dispatch;
-  dispatch.view = view_with_cap(4);
-  dispatch.call = small_call();
-  dispatch.num_sms = 8;
-  EXPECT_NE(refusal([&] { ht::launch_dispatch(dispatch, nullptr); }).find("got 8"), std::string::npos);
-
-  ht::CombineArgs combine;
-  combine.view = view_with_cap(4);
-  combine.call = small_call();
-  combine.num_sms = 6;
-  EXPECT_NE(refusal([&] { ht::launch_combine(combine, nullptr); }).find("got 6"), std::string::npos);
-
-  ht::EpilogueArgs epilogue;
-  epilogue.view = view_with_cap(4);
-  epilogue.call = small_call();
-  epilogue.num_ctas = 9;
-  EXPECT_NE(refusal([&] { ht::launch_dispatch_epilogue(epilogue, nullptr); }).find("num_ctas"), std::string::npos);
-
-  ht::ReduceArgs reduce;
-  reduce.view = view_with_cap(4);
-  reduce.call = small_call();
-  reduce.num_ctas = 7;
-  EXPECT_NE(refusal([&] { ht::launch_combine_reduce(reduce, nullptr); }).find("got 7"), std::string::npos);
+  const DeviceView view = view_with_cap(4);
+  EXPECT_NE(grid_refusal(ht::launch_notify, &ht::NotifyArgs::num_sms, 5, view).find("got 5"), std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_dispatch, &ht::DispatchArgs::num_sms, 8, view).find("got 8"), std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_combine, &ht::CombineArgs::num_sms, 6, view).find("got 6"), std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_dispatch_epilogue, &ht::EpilogueArgs::num_ctas, 9, view).find("num_ctas"),
+            std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_combine_reduce, &ht::ReduceArgs::num_ctas, 7, view).find("got 7"),
+            std::string::npos);
 }
 
 // Ranks sharing a GPU: the grid-synchronising HT kernels (notify, dispatch, combine) are held to the
@@ -87,23 +78,11 @@ TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
   EXPECT_NE(ht.find("SM cap for HT kernels"), std::string::npos) << ht;
   EXPECT_NO_THROW(check_ht_grid_size(view_with_cap(16, 8), "num_sms", 8));
 
-  ht::NotifyArgs notify;
-  notify.view = view_with_cap(16, 8);
-  notify.call = small_call();
-  notify.num_sms = 9;
-  EXPECT_NE(refusal([&] { ht::launch_notify(notify, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
-
-  ht::DispatchArgs dispatch;
-  dispatch.view = view_with_cap(16, 8);
-  dispatch.call = small_call();
-  dispatch.num_sms = 9;
-  EXPECT_NE(refusal([&] { ht::launch_dispatch(dispatch, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
-
-  ht::CombineArgs combine;
-  combine.view = view_with_cap(16, 8);
-  combine.call = small_call();
-  combine.num_sms = 9;
-  EXPECT_NE(refusal([&] { ht::launch_combine(combine, nullptr); }).find("SM cap for HT kernels"), std::string::npos);
+  const DeviceView shared = view_with_cap(16, 8);
+  const std::string cap = "SM cap for HT kernels";
+  EXPECT_NE(grid_refusal(ht::launch_notify, &ht::NotifyArgs::num_sms, 9, shared).find(cap), std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_dispatch, &ht::DispatchArgs::num_sms, 9, shared).find(cap), std::string::npos);
+  EXPECT_NE(grid_refusal(ht::launch_combine, &ht::CombineArgs::num_sms, 9, shared).find(cap), std::string::npos);
 
   // 12 CTAs: above the HT cap, within the full share. The epilogue launcher's grid check passes:
   // it refuses the call on a later check (an alignment of 0), not on the grid size.
