@@ -50,6 +50,14 @@ BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
 # --speculative-epilogue: the uncached dispatches again with EP_HT_SPECULATIVE_EPILOGUE's behaviour
 # (outputs at a guessed capacity, epilogue queued before the host waits), in the same run.
 SPECULATIVE_OPERATIONS = ("dispatch_fp8_speculative", "dispatch_bf16_speculative")
+# --zero-copy: the dispatches again with zero_copy_recv=True (rows written in final position, outputs
+# are views of the window, the epilogue writes metadata only); direct mode only.
+ZERO_COPY_OPERATIONS = (
+    "dispatch_fp8_zero_copy",
+    "dispatch_bf16_zero_copy",
+    "dispatch_fp8_cached_zero_copy",
+    "dispatch_bf16_cached_zero_copy",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,11 +88,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time the uncached dispatches with the speculative epilogue (EP_HT_SPECULATIVE_EPILOGUE)",
     )
+    parser.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="also time every dispatch with zero_copy_recv=True (direct mode buffers only)",
+    )
     return parser.parse_args(argv)
 
 
 def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
     names = OPERATIONS + (SPECULATIVE_OPERATIONS if config.get("speculative_epilogue") else ())
+    names += ZERO_COPY_OPERATIONS if config.get("zero_copy") else ()
     return names + BASELINE_OPERATIONS if config.get("baseline") else names
 
 
@@ -248,6 +262,14 @@ def bench_tokens(
         if config.get("speculative_epilogue"):
             operations["dispatch_fp8_speculative"] = speculatively(operations["dispatch_fp8"])
             operations["dispatch_bf16_speculative"] = speculatively(operations["dispatch_bf16"])
+        if config.get("zero_copy") and mode == "direct":
+            zero_copy = {**common, "zero_copy_recv": True}
+            zc_handle = buffer.dispatch(x_fp8, topk_idx, weights, **zero_copy)[3]
+            cached = {"topk_weights": weights, "handle": zc_handle, "num_sms": sms, "zero_copy_recv": True}
+            operations["dispatch_fp8_zero_copy"] = lambda: buffer.dispatch(x_fp8, topk_idx, weights, **zero_copy)
+            operations["dispatch_bf16_zero_copy"] = lambda: buffer.dispatch(x, topk_idx, weights, **zero_copy)
+            operations["dispatch_fp8_cached_zero_copy"] = lambda: buffer.dispatch(x_fp8, **cached)
+            operations["dispatch_bf16_cached_zero_copy"] = lambda: buffer.dispatch(x, **cached)
         return operations, handle
 
     def speculatively(operation):
@@ -605,6 +627,8 @@ def main(argv: list[str] | None = None) -> None:
         config["host_profile"] = True
     if args.speculative_epilogue:
         config["speculative_epilogue"] = True
+    if args.zero_copy:
+        config["zero_copy"] = True
     try:
         ranks_per_node = parse_ranks_per_node(args.num_ranks_per_node)
         if ranks_per_node:

@@ -62,6 +62,9 @@ class EPHandle:
             (per-channel prefix, source token, experts) for combine and cached dispatch.
         num_nodes, home_node: node count and this rank's node (1 and 0 in direct mode).
         scaleout_row_bytes: bytes of one token row on the scale-out leg (0 in direct mode).
+        zero_copy_send_base: [R] int32, made by a dispatch with ``zero_copy_recv=True``: this rank's
+            first row among each rank's final received rows (its rows go there in final position);
+            None otherwise. A cached zero-copy dispatch needs it.
     """
 
     do_expand: bool
@@ -93,6 +96,7 @@ class EPHandle:
     num_nodes: int = 1
     home_node: int = 0
     scaleout_row_bytes: int = 0
+    zero_copy_send_base: torch.Tensor | None = None
     # (recv_src_info it was built from, V2 recv_src_metadata): rebuilt when the info is replaced.
     _v2_src_metadata: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
@@ -153,4 +157,6 @@ class EPHandle:
             owned += (self.recv_expanded_row_idx,)
         if self.hybrid_routing is not None:
             owned += (self.hybrid_routing,)
+        if self.zero_copy_send_base is not None:
+            owned += (self.zero_copy_send_base,)
         return owned

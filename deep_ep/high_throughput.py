@@ -29,6 +29,7 @@ from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
 from deep_ep.fp8 import pack_ue8m0_unchecked, unpack_ue8m0
 from deep_ep.handle import EPHandle
 from deep_ep.plan.estimates import theoretical_num_qps, theoretical_num_sms
+from deep_ep.window import window_tensor
 
 __all__ = ["HighThroughputMixin"]
 
@@ -287,6 +288,7 @@ class HighThroughputMixin:
         do_handle_copy: bool = True,
         do_zero_padding: bool = True,
         use_tma_aligned_col_major_sf: bool = False,
+        zero_copy_recv: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         """Send each token once to every rank holding one of its experts.
 
@@ -312,6 +314,14 @@ class HighThroughputMixin:
         ``do_handle_copy`` (the handle always keeps its own sanitised copy of the routing) and
         ``do_zero_padding`` (padding rows are always zeroed) are accepted and change nothing.
 
+        ``zero_copy_recv`` (direct mode, non-expand; every rank must pass the same value): senders
+        write each row and its fp8 scales straight into their final position in the receiver's
+        window, so ``recv_x`` (and its scales) are views of the buffer and the copy epilogue writes
+        the per-row metadata only. The views stay valid until the next HT dispatch or combine on
+        this buffer is called (work the caller queued on its stream before that call is safe);
+        clone them to keep them longer. A cached dispatch with ``zero_copy_recv=True`` needs a
+        handle from a zero-copy dispatch.
+
         Every rank must call with the same hidden size, dtype, K, weights presence and T_max. An
         expert id outside [-1, E), or repeated in a token's row, is treated as -1 and raises
         ValueError at the next synchronisation point (this call's CPU sync, ``check_errors()``,
@@ -328,6 +338,8 @@ class HighThroughputMixin:
                 "do_cpu_sync=False (outputs at their worst-case sizes)"
             )
         try:
+            if not isinstance(zero_copy_recv, bool):
+                raise TypeError(f"zero_copy_recv must be a bool, got {type(zero_copy_recv).__name__}")
             device = self._torch_device
             data, scales = self._check_dispatch_x(x, device)
             num_tokens, hidden = data.shape
@@ -360,6 +372,8 @@ class HighThroughputMixin:
                 do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
                 routing = topk_idx
             num_topk = routing.shape[1]
+            if zero_copy_recv:
+                self._check_zero_copy_recv(do_expand, handle)
             self._check_weights("topk_weights", topk_weights, (num_tokens, num_topk), device)
             layout = _ht_layout(self.num_ranks, self.num_scaleup_ranks, num_max_tokens, hidden, num_topk, use_fp8)
             self._check_fits(
@@ -391,12 +405,12 @@ class HighThroughputMixin:
         except (ValueError, TypeError) as error:
             # This rank's input is bad, but its peers already run (or will run) this dispatch: take
             # part without data so none of them waits for this rank, then raise.
-            self._dispatch_without_input(handle, num_experts, error)
+            self._dispatch_without_input(handle, num_experts, error, zero_copy_recv is True)
             raise
 
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
-        call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8)
+        call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8, zero_copy_recv=zero_copy_recv)
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         input_scales = scales
         packed_scales = scales is not None and scales.dtype == torch.int32
@@ -411,6 +425,7 @@ class HighThroughputMixin:
             new_handle = handle
         else:
             new_handle = self._notify(launch, call, routing, expert_alignment, do_expand, do_cpu_sync, num_sms, device)
+        send_base = _pointer(new_handle.zero_copy_send_base) if zero_copy_recv else 0
         _C.ht_dispatch(
             self._runtime,
             call,
@@ -421,6 +436,7 @@ class HighThroughputMixin:
             _pointer(topk_weights),
             _pointer(new_handle.dst_buffer_slot_idx),
             _pointer(new_handle.expert_slot_idx),
+            send_base,
             _pointer(new_handle.hybrid_routing),
             cached,
             num_sms,
@@ -444,9 +460,17 @@ class HighThroughputMixin:
             if topk_weights is not None:
                 shape = (num_rows,) if do_expand else (num_rows, num_topk)
                 recv_topk_weights = launch.empty(shape, torch.float32, device)
+            if zero_copy_recv:  # rows and scales are in final position in the window
+                rows_x, rows_scales = self._ht_zero_copy_views(call, data.dtype)
+                rows_x, rows_scales = rows_x[:num_rows], None if rows_scales is None else rows_scales[:num_rows]
+            else:
+                rows_x = launch.empty((num_rows, hidden), data.dtype, device)
+                rows_scales = (
+                    launch.empty((num_rows, hidden // FP8_GROUP_SIZE), torch.float32, device) if use_fp8 else None
+                )
             return (
-                launch.empty((num_rows, hidden), data.dtype, device),
-                launch.empty((num_rows, hidden // FP8_GROUP_SIZE), torch.float32, device) if use_fp8 else None,
+                rows_x,
+                rows_scales,
                 None if do_expand else launch.empty((num_rows, num_topk), torch.int64, device),
                 recv_topk_weights,
             )
@@ -486,7 +510,8 @@ class HighThroughputMixin:
             worst_expanded = _align_up(
                 worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
             )
-            last = self._ht_last_counts.get(history_key) if do_cpu_sync and self._ht_speculative_epilogue else None
+            speculate = do_cpu_sync and self._ht_speculative_epilogue and not zero_copy_recv
+            last = self._ht_last_counts.get(history_key) if speculate else None
             speculative = last is not None
             if speculative:
                 new_handle.num_recv_tokens = speculative_rows(last[0], worst_recv)
@@ -571,7 +596,8 @@ class HighThroughputMixin:
         layout = _counts_layout(num_ranks, num_local)
         entries = num_tokens * num_topk
         # One allocation split into the handle's int32 arrays: [routing as 2 x int32 per entry]
-        # [expert_slot] [dst_slot] [counts fields in layout order] [hybrid routing] [notify scratch].
+        # [expert_slot] [dst_slot] [counts fields in layout order] [hybrid routing] [zero-copy send
+        # base] [notify scratch].
         # Each torch.empty costs host time on the uncached path, which the GPU waits for.
         sizes = (
             2 * entries,
@@ -579,10 +605,11 @@ class HighThroughputMixin:
             entries,
             *_counts_field_sizes(num_ranks, num_local),
             _C.ht_hybrid_routing_ints(call, num_tokens),
+            num_ranks if call.zero_copy_recv else 0,
             _C.ht_notify_scratch_ints(call, num_tokens),
         )
         block = launch.empty((sum(sizes),), torch.int32, device)
-        routing32, expert_slot, dst_slot, *fields, hybrid_routing, scratch = block.split(sizes)
+        routing32, expert_slot, dst_slot, *fields, hybrid_routing, send_base, scratch = block.split(sizes)
         routing = routing32.view(torch.int64).view(num_tokens, num_topk)
         expert_slot = expert_slot.view(num_tokens, num_topk)
         dst_slot = dst_slot.view(num_tokens, num_topk)
@@ -603,6 +630,7 @@ class HighThroughputMixin:
             _pointer(scratch),
             _pointer(counts),
             do_cpu_sync,
+            _pointer(send_base) if call.zero_copy_recv else 0,
             _pointer(hybrid_routing) if call.hybrid else 0,
             num_sms,
             launch.stream,
@@ -639,6 +667,7 @@ class HighThroughputMixin:
             num_nodes=call.num_nodes if call.hybrid else 1,
             scaleout_row_bytes=call.scaleout_row_bytes,
             home_node=self.scaleout_rank_idx if call.hybrid else 0,
+            zero_copy_send_base=send_base if call.zero_copy_recv else None,
         )
 
     # ------------------------------------------------------------------ combine
@@ -749,10 +778,13 @@ class HighThroughputMixin:
 
     # ------------------------------------------------------------------ failed input
 
-    def _dispatch_without_input(self, handle: Any, num_experts: Any, error: Exception) -> None:
+    def _dispatch_without_input(
+        self, handle: Any, num_experts: Any, error: Exception, zero_copy_recv: bool = False
+    ) -> None:
         """Take part in this dispatch with no token (deep_ep/failed_input.py). The protocol the peers
         run follows from ``handle``: cached (the dispatch kernel's entry barrier) or not (the notify
-        count exchange, which needs the group's E: without a valid one this rank cannot take part)."""
+        count exchange, which needs the group's E: without a valid one this rank cannot take part;
+        with ``zero_copy_recv`` in direct mode it adds the exchange of final-row offsets)."""
         cached = handle is not None
         # Hybrid, cached, with this buffer's handle: the dispatch runs on the handle's routing without
         # data, so the forwarders of other nodes learn that this rank's row streams carry nothing
@@ -780,17 +812,35 @@ class HighThroughputMixin:
                     _pointer(handle.hybrid_routing),
                 )
                 _C.ht_dispatch(
-                    self._runtime, call, handle.num_tokens, 0, 0, routing[0], 0, *routing[1:], True, 1, stream, True
+                    self._runtime,
+                    call,
+                    handle.num_tokens,
+                    0,
+                    0,
+                    routing[0],
+                    0,
+                    *routing[1:3],
+                    0,
+                    routing[3],
+                    True,
+                    1,
+                    stream,
+                    True,
                 )
                 return
             num_max_tokens = handle.num_max_tokens_per_rank if cached else max(1, self.num_max_tokens_per_rank)
-            call = self._ht_call(num_max_tokens, NULL_HIDDEN, 1, num_ranks if cached else num_experts, False)
+            # Peers in hybrid mode refuse zero-copy receive (and take part without input too).
+            zero_copy = zero_copy_recv and not cached and getattr(self, "num_scaleout_ranks", 1) == 1
+            call = self._ht_call(
+                num_max_tokens, NULL_HIDDEN, 1, num_ranks if cached else num_experts, False, zero_copy_recv=zero_copy
+            )
             hybrid = torch.zeros((_C.ht_hybrid_routing_ints(call, 0),), dtype=torch.int32, device=self._torch_device)
             keep(hybrid)
             if not cached:
                 counts_ints = _counts_layout(num_ranks, num_experts // num_ranks)["total"]
+                send_base_ints = num_ranks if zero_copy else 0
                 scratch = torch.empty(
-                    (counts_ints + _C.ht_notify_scratch_ints(call, 0),),
+                    (counts_ints + send_base_ints + _C.ht_notify_scratch_ints(call, 0),),
                     dtype=torch.int32,
                     device=self._torch_device,
                 )
@@ -805,15 +855,16 @@ class HighThroughputMixin:
                     False,
                     0,
                     0,
-                    scratch.data_ptr() + 4 * counts_ints,
+                    scratch.data_ptr() + 4 * (counts_ints + send_base_ints),
                     scratch.data_ptr(),
                     False,
+                    scratch.data_ptr() + 4 * counts_ints if zero_copy else 0,
                     _pointer(hybrid) if call.hybrid else 0,
                     1,
                     stream,
                     True,
                 )
-            no_data = (0, 0, 0, 0, 0, 0, 0)  # num_tokens, x, scales, topk_idx, weights, dst_slot, expert_slot
+            no_data = (0, 0, 0, 0, 0, 0, 0, 0)  # num_tokens, x, scales, topk_idx, weights, dst/expert slot, send base
             hybrid_block = _pointer(hybrid) if call.hybrid else 0
             _C.ht_dispatch(self._runtime, call, *no_data, hybrid_block, cached, 1, stream, True)
 
@@ -887,18 +938,58 @@ class HighThroughputMixin:
         num_experts: int,
         use_fp8: bool,
         combine_only: bool = False,
+        zero_copy_recv: bool = False,
     ) -> Any:
         """The call description of one shape on this buffer (topology, layout), built once and cached.
         ``combine_only``: for combine, which must fit only the combine footprint (an fp8 dispatch's
-        region may be too small for bf16 dispatch rows)."""
-        key = (num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only)
+        region may be too small for bf16 dispatch rows). ``zero_copy_recv``: rows in final position."""
+        key = (num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only, zero_copy_recv)
         calls = self.__dict__.setdefault("_ht_calls", {})
         call = calls.get(key)
         if call is None:
             call = calls[key] = _C.ht_call(
-                self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only
+                self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only, zero_copy_recv
             )
         return call
+
+    def _ht_zero_copy_views(self, call: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's final receive rows of a zero-copy call shape, as ``([R * T_max, H] dtype,
+        [R * T_max, H / 128] fp32 or None)`` views of the window (built once per shape; callers narrow)."""
+        cache = self.__dict__.setdefault("_ht_zero_copy_view_cache", {})
+        views = cache.get((call, dtype))
+        if views is None:
+            rows = self.num_ranks * call.num_max_tokens_per_rank
+            base, start, device = self._runtime.local_base(), self._window["ht_offset"], self._torch_device
+            # The views keep the runtime (the window's owner) alive, not the buffer: no reference cycle.
+            payload = window_tensor(
+                self._runtime, base, start + call.zero_copy_payload_offset, (rows, call.hidden), dtype, device
+            )
+            scales = None
+            if call.use_fp8:
+                shape = (rows, call.hidden // FP8_GROUP_SIZE)
+                scales = window_tensor(
+                    self._runtime, base, start + call.zero_copy_scales_offset, shape, torch.float32, device
+                )
+            views = cache[(call, dtype)] = (payload, scales)
+        return views
+
+    def _check_zero_copy_recv(self, do_expand: bool, handle: EPHandle | None) -> None:
+        scaleout = getattr(self, "num_scaleout_ranks", 1)
+        if scaleout > 1:
+            raise ValueError(
+                f"zero_copy_recv=True is direct mode only; this buffer spans {scaleout} nodes (hybrid mode, whose "
+                "forwarders place the rows)"
+            )
+        if do_expand:
+            raise ValueError(
+                "zero_copy_recv=True returns non-expand rows only (do_expand=True places each row per expert in the "
+                "copy epilogue)"
+            )
+        if handle is not None and handle.zero_copy_send_base is None:
+            raise ValueError(
+                "zero_copy_recv=True with a handle from a dispatch without zero_copy_recv (it has no final-row "
+                "offsets): make the handle with a zero_copy_recv=True dispatch"
+            )
 
     def _check_handle_owner(self, handle: EPHandle) -> None:
         if handle.owner_id != self._serial:

@@ -42,6 +42,8 @@ const char* phase_name(int32_t phase) {
       return "node partial arrival";
     case Phase::kScaleoutBarrier:
       return "scale-out barrier";
+    case Phase::kSendBaseArrive:
+      return "zero-copy row offset arrival";
   }
   return "unknown phase";
 }

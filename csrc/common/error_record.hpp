@@ -37,6 +37,7 @@ enum class Phase : int32_t {
   kScaleoutRowsArrive = 6,    // dispatch forwarder: a rail peer's token rows
   kPartialsArrive = 7,        // combine: a node's partial sums at the home rank
   kScaleoutBarrier = 8,       // a rail peer's barrier signal
+  kSendBaseArrive = 9,        // notify, zero-copy receive: a receiver's first-row offset for this rank
 };
 
 // What was wrong with a routing entry.

@@ -118,9 +118,18 @@ struct HighThroughputLayout {
   int64_t combine_send_bytes = 0;
   int64_t combine_partial_offset = 0;
   int64_t combine_partial_bytes = 0;
-  int64_t dispatch_bytes = 0;  // whole dispatch footprint
-  int64_t combine_bytes = 0;   // whole combine footprint
-  int64_t region_bytes = 0;    // max of the two, 2 MiB aligned
+  // Direct mode, zero-copy receive (opt-in per call): the same dispatch receive area split into
+  // payload rows [R * T_max][row bytes] and fp32 scale rows [R * T_max][H / 128], both in final
+  // (source rank, source token) order so the outputs are views of the window, then the slots'
+  // metadata (expert ids, weights, per-expert slots, source token) [source rank][T_max]. Never
+  // larger than the slot layout: each part is at most its aligned share of a slot.
+  int64_t zero_copy_payload_offset = 0;
+  int64_t zero_copy_scales_offset = 0;
+  int64_t zero_copy_meta_offset = 0;
+  int64_t zero_copy_meta_bytes = 0;  // one row's metadata: the slot from topk_idx_offset on
+  int64_t dispatch_bytes = 0;        // whole dispatch footprint
+  int64_t combine_bytes = 0;         // whole combine footprint
+  int64_t region_bytes = 0;          // max of the two, 2 MiB aligned
 };
 
 EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topology& topology,
@@ -137,6 +146,13 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
   if (!topology.is_hybrid()) {
     layout.dispatch_recv_bytes = num_ranks * tokens * d;
     layout.combine_recv_bytes = min_of(num_ranks, num_topk) * tokens * c;
+    const int64_t rows = num_ranks * tokens;
+    const int64_t row_bytes = int64_t{hidden} * (use_fp8 ? 1 : 2);
+    const int64_t scale_row_bytes = use_fp8 ? int64_t{hidden / kFp8GroupSize} * 4 : 0;
+    layout.zero_copy_payload_offset = layout.dispatch_recv_offset;
+    layout.zero_copy_scales_offset = layout.zero_copy_payload_offset + align_up(rows * row_bytes, kSlotAlignBytes);
+    layout.zero_copy_meta_offset = layout.zero_copy_scales_offset + align_up(rows * scale_row_bytes, kSlotAlignBytes);
+    layout.zero_copy_meta_bytes = d - layout.dispatch_token.topk_idx_offset;
     layout.dispatch_bytes = layout.dispatch_recv_bytes;
     layout.combine_bytes = layout.combine_recv_bytes;
   } else {
@@ -289,7 +305,10 @@ struct WorkspaceLayout {
   // [source rank] int32: 1 when that rank took part in the current operation without data (its
   // input failed the host checks); the receiver reads and clears it after the entry handshake.
   static constexpr int64_t input_failed_offset = expert_counts_offset + int64_t{kMaxExperts} * 4;
-  static constexpr int64_t grid_counters_offset = input_failed_offset + int64_t{kMaxRanks} * 4;
+  // [receiver rank] int32, zero-copy receive: "row + 1" of this rank's first row in that receiver's
+  // final rows (0 = not arrived), sent back by the receiver in the notify kernel; read and cleared.
+  static constexpr int64_t send_base_offset = input_failed_offset + int64_t{kMaxRanks} * 4;
+  static constexpr int64_t grid_counters_offset = send_base_offset + int64_t{kMaxRanks} * 4;
   static constexpr int64_t scratch_offset = grid_counters_offset + int64_t{kNumGridCounters} * 4;
   static constexpr int64_t grid_generations_offset = scratch_offset + int64_t{kNumScratchInts} * 4;
   static constexpr int64_t barrier_epoch_offset = grid_generations_offset + int64_t{kNumGridCounters} * 4;

@@ -20,6 +20,10 @@ struct HtCall {
   int num_topk = 0;
   int num_experts = 0;
   bool use_fp8 = false;  // the dispatch payload; combine is always bf16
+  // Direct mode: senders write payload and scales into the receiver's final rows (the layout's
+  // zero_copy_* parts), so the dispatch outputs are views of the window and the epilogue copies
+  // metadata only. Every rank of a call must agree (like the dtype).
+  bool zero_copy_recv = false;
   HighThroughputLayout layout;
 
   // --- topology ---
@@ -57,6 +61,21 @@ struct HtCall {
     return ht_offset + layout.dispatch_recv_offset +
            (int64_t{source} * num_max_tokens() + slot) * dispatch_token().bytes;
   }
+  // The metadata of the slot above, as a slot base: its topk_idx_offset.. fields are the row's. With
+  // zero-copy receive the metadata lives in its own rows and the base's payload/scale fields are not
+  // the row's (they are in final position: zero_copy_payload / zero_copy_scales).
+  EP_HOST_DEVICE constexpr int64_t dispatch_meta_slot(int source, int64_t slot) const {
+    if (!zero_copy_recv) return dispatch_slot(source, slot);
+    return ht_offset + layout.zero_copy_meta_offset +
+           (int64_t{source} * num_max_tokens() + slot) * layout.zero_copy_meta_bytes - dispatch_token().topk_idx_offset;
+  }
+  // Zero-copy receive: final row `row` (source rank, source token order) of the payload and scales.
+  EP_HOST_DEVICE constexpr int64_t zero_copy_payload(int64_t row) const {
+    return ht_offset + layout.zero_copy_payload_offset + row * row_bytes();
+  }
+  EP_HOST_DEVICE constexpr int64_t zero_copy_scales(int64_t row) const {
+    return ht_offset + layout.zero_copy_scales_offset + row * num_scales() * 4;
+  }
   // Combine row `row` of `token` of a source on `source_node`. Direct: rows [j][T_max] at the home
   // rank (source_node 0). Hybrid: rows [j][source node][T_max] at the forwarder.
   EP_HOST_DEVICE constexpr int64_t combine_row_slot(int row, int source_node, int64_t token) const {
@@ -87,7 +106,7 @@ struct HtCall {
 };
 
 inline HtCall make_ht_call(const Topology& topology, int64_t ht_offset, int64_t num_max_tokens_per_rank, int hidden,
-                           int num_topk, int num_experts, bool use_fp8) {
+                           int num_topk, int num_experts, bool use_fp8, bool zero_copy_recv = false) {
   HtCall call;
   call.topology = topology;
   call.ht_offset = ht_offset;
@@ -95,6 +114,7 @@ inline HtCall make_ht_call(const Topology& topology, int64_t ht_offset, int64_t 
   call.num_topk = num_topk;
   call.num_experts = num_experts;
   call.use_fp8 = use_fp8;
+  call.zero_copy_recv = zero_copy_recv && !topology.is_hybrid();
   call.layout = high_throughput_layout(topology, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
   return call;
 }

@@ -3,7 +3,9 @@
 // One dispatch is up to three kernels on the communication stream, one combine is two:
 //   notify    (uncached dispatch only) slots by prefix, count exchange through the workspace
 //   dispatch  each token row straight into every destination's receive slot
-//   epilogue  receive slots -> output tensors (non-expand rows or expanded per-expert rows)
+//   epilogue  receive slots -> output tensors (non-expand rows or expanded per-expert rows); with
+//             zero-copy receive (direct, non-expand) the rows are already in final position in the
+//             window and the epilogue writes the per-row metadata only
 //   combine   each received row (expand: its rows pre-summed) back into its home rank's area
 //   reduce    home rank: bias + contributions in fixed order, one bf16 rounding
 //
@@ -141,6 +143,7 @@ struct NotifyArgs {
   int32_t* scratch = nullptr;          // notify_scratch_ints(call, T)
   int32_t* counts = nullptr;           // out: counts_layout(R, L)
   int32_t* mapped_counters = nullptr;  // device pointer of the host-mapped counters; nullptr: no CPU sync
+  int32_t* send_base = nullptr;        // zero-copy receive: out [R] this rank's first final row at each rank
   HybridRouting hybrid;                // hybrid mode: out node_slot, node_counts, forward_prefix
   int num_sms = 1;
   bool input_failed = false;  // this rank takes part with T = 0 and tells its peers its input failed
@@ -156,6 +159,7 @@ struct DispatchArgs {
   const float* topk_weights = nullptr;   // [T, K] or nullptr
   const int32_t* dst_slot = nullptr;     // from notify
   const int32_t* expert_slot = nullptr;  // from notify
+  const int32_t* send_base = nullptr;    // zero-copy receive: [R] from notify (the handle's)
   HybridRouting hybrid;                  // hybrid mode: node_slot, forward_prefix in; forward_token/topk out
   bool entry_barrier = false;            // cached dispatch: no notify ran before, so barrier here
   int num_sms = 1;

@@ -125,28 +125,27 @@ __device__ __forceinline__ void warp_copy_words_to_lanes(const float* src, int n
   }
 }
 
-// The whole dispatch slot of token `t` (payload, fp8 scales, K expert ids, K weights, K per-expert
-// slots, source token) to every lane's row in `dst_lanes` (lane k's row is `my_slot`). Lane k holds
-// entry k: `expert` (sanitised, so a receiver never sees an id outside [-1, E)), `expert_slot`,
-// `weight`. Called by all 32 lanes.
+// The whole dispatch row of token `t` to every lane's destination in `dst_lanes`: payload to
+// `my_payload`, fp8 scales to `my_scales`, and the K expert ids, K weights, K per-expert slots and
+// the source token into the metadata fields of the slot based at `my_meta` (lane k's pointers are
+// its destination's). Lane k holds entry k: `expert` (sanitised, so a receiver never sees an id
+// outside [-1, E)), `expert_slot`, `weight`. Called by all 32 lanes.
 template <int kUnroll>
-__device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const uint8_t* x, const float* x_scales,
-                                                    bool has_weights, int t, int expert, int32_t expert_slot,
-                                                    float weight, uint32_t dst_lanes, uint8_t* my_slot) {
+__device__ __forceinline__ void store_dispatch_row(const HtCall& call, const uint8_t* x, const float* x_scales,
+                                                   bool has_weights, int t, int expert, int32_t expert_slot,
+                                                   float weight, uint32_t dst_lanes, uint8_t* my_payload,
+                                                   float* my_scales, uint8_t* my_meta) {
   const TokenLayout& token = call.dispatch_token();
   const int64_t row_bytes = call.row_bytes();
   const int num_scales = call.num_scales();
   const int lane = lane_id();
   warp_copy_to_lanes<kUnroll>(reinterpret_cast<const int4*>(x + t * row_bytes), row_bytes / kVectorBytes, dst_lanes,
-                              reinterpret_cast<int4*>(my_slot));
-  if (num_scales > 0) {
-    warp_copy_words_to_lanes(x_scales + int64_t{t} * num_scales, num_scales, dst_lanes,
-                             my_slot == nullptr ? nullptr : reinterpret_cast<float*>(my_slot + token.scale_offset));
-  }
+                              reinterpret_cast<int4*>(my_payload));
+  if (num_scales > 0) warp_copy_words_to_lanes(x_scales + int64_t{t} * num_scales, num_scales, dst_lanes, my_scales);
   for (uint32_t lanes = dst_lanes; lanes != 0; lanes &= lanes - 1) {
     const int owner = __ffs(lanes) - 1;
     auto* dst =
-        reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_slot), owner));
+        reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_meta), owner));
     if (lane < call.num_topk) {
       reinterpret_cast<int32_t*>(dst + token.topk_idx_offset)[lane] = expert;
       reinterpret_cast<int32_t*>(dst + token.expert_slot_offset)[lane] = expert_slot;
@@ -154,6 +153,17 @@ __device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const ui
     }
     if (lane == 0) *reinterpret_cast<int32_t*>(dst + token.src_offset) = t;
   }
+}
+
+// The same into whole dispatch slots (payload, scales and metadata at their slot offsets).
+template <int kUnroll>
+__device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const uint8_t* x, const float* x_scales,
+                                                    bool has_weights, int t, int expert, int32_t expert_slot,
+                                                    float weight, uint32_t dst_lanes, uint8_t* my_slot) {
+  float* my_scales =
+      my_slot == nullptr ? nullptr : reinterpret_cast<float*>(my_slot + call.dispatch_token().scale_offset);
+  store_dispatch_row<kUnroll>(call, x, x_scales, has_weights, t, expert, expert_slot, weight, dst_lanes, my_slot,
+                              my_scales, my_slot);
 }
 
 // Lane k holds the rank of its entry and whether it is the first lane of that rank: the number of

@@ -47,12 +47,25 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
     const bool sends = slot >= 0 && expert >= 0;
     const uint32_t dst_lanes = __ballot_sync(kFullMask, sends);
     if (dst_lanes == 0) continue;
-    uint8_t* my_slot =
-        sends ? view.peer<uint8_t>(call.rank_of_expert(expert), call.dispatch_slot(view.rank, slot)) : nullptr;
     const int32_t expert_slot = lane < num_topk ? args.expert_slot[entry] : -1;
     const float weight = (lane < num_topk && args.topk_weights != nullptr) ? args.topk_weights[entry] : 0.0f;
-    store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, args.topk_weights != nullptr, t, expert, expert_slot,
-                                     weight, dst_lanes, my_slot);
+    const bool has_weights = args.topk_weights != nullptr;
+    if (!call.zero_copy_recv) {
+      uint8_t* my_slot =
+          sends ? view.peer<uint8_t>(call.rank_of_expert(expert), call.dispatch_slot(view.rank, slot)) : nullptr;
+      store_dispatch_slot<kCopyUnroll>(call, x, args.x_scales, has_weights, t, expert, expert_slot, weight, dst_lanes,
+                                       my_slot);
+    } else {
+      // The row goes straight to its final position at the destination: this rank's first row
+      // there (from notify) plus the token's ordinal among this rank's tokens for it.
+      const int dest = sends ? call.rank_of_expert(expert) : 0;
+      const int64_t row = sends ? int64_t{args.send_base[dest]} + slot : 0;
+      uint8_t* my_payload = sends ? view.peer<uint8_t>(dest, call.zero_copy_payload(row)) : nullptr;
+      float* my_scales = sends ? view.peer<float>(dest, call.zero_copy_scales(row)) : nullptr;
+      uint8_t* my_meta = sends ? view.peer<uint8_t>(dest, call.dispatch_meta_slot(view.rank, slot)) : nullptr;
+      store_dispatch_row<kCopyUnroll>(call, x, args.x_scales, has_weights, t, expert, expert_slot, weight, dst_lanes,
+                                      my_payload, my_scales, my_meta);
+    }
   }
 
   // grid_sync fences every CTA's stores at system scope; CTA 0's barrier then releases them to all
@@ -74,6 +87,8 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
              "hidden row bytes must be a multiple of 16, got hidden=" + std::to_string(call.hidden));
   EP_REQUIRE(!call.use_fp8 || call.hidden % kFp8GroupSize == 0,
              "hidden must be a multiple of 128 for fp8, got " + std::to_string(call.hidden));
+  EP_REQUIRE(!call.zero_copy_recv || args.num_tokens == 0 || args.send_base != nullptr,
+             "zero-copy receive needs the handle's send_base (from a notify with zero-copy receive)");
   if (call.hybrid()) {
     EP_REQUIRE(call.num_max_tokens() < kFailedInputSignalFlag,
                "hybrid dispatch needs num_max_tokens_per_rank < 2^24 (a row stream's count stays below the "

@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   for (int64_t row = first_warp; row < num_rows; row += num_warps) {
     const int source = source_of_row(psum_shared, num_ranks, row);
     const int64_t slot_index = row - (source > 0 ? psum_shared[source - 1] : 0);
-    const uint8_t* slot = view.local<uint8_t>(call.dispatch_slot(source, slot_index));
+    // Zero-copy receive: only the metadata fields of this base are the row's (payload and scales
+    // are in final position already).
+    const uint8_t* slot = view.local<uint8_t>(call.dispatch_meta_slot(source, slot_index));
     int expert = -1;
     int32_t expert_slot = -1;
     float weight = 0.0f;
@@ -96,13 +98,15 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     const bool has_meta_row = row < args.num_meta_rows_allocated;
 
     if (!args.do_expand) {
-      if (row < args.num_rows_allocated) {
+      if (row < args.num_rows_allocated && !call.zero_copy_recv) {
         warp_copy_to_lanes<kCopyUnroll>(reinterpret_cast<const int4*>(slot), num_vectors, 1u,
                                         reinterpret_cast<int4*>(recv_x + row * row_bytes));
         if (num_scales > 0) {
           warp_copy_words_to_lanes(reinterpret_cast<const float*>(slot + token.scale_offset), num_scales, 1u,
                                    args.recv_x_scales + row * num_scales);
         }
+      }
+      if (row < args.num_rows_allocated) {
         if (lane < num_topk) {
           args.recv_topk_idx[row * num_topk + lane] = local;
           if (args.recv_topk_weights != nullptr) args.recv_topk_weights[row * num_topk + lane] = weight;
@@ -155,6 +159,8 @@ void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   check_grid_size(args.view, "num_ctas", args.num_ctas);
   check_call(args.view, args.call);
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
+  EP_REQUIRE(!(args.call.zero_copy_recv && args.do_expand),
+             "zero-copy receive has non-expand rows only (expanded rows are placed by the epilogue)");
   epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
 }

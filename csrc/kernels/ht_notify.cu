@@ -250,6 +250,42 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
   return failed == 0;
 }
 
+// CTA 0, zero-copy receive, once every source's count has arrived: each source learns where its
+// rows start among this rank's final rows (the rows of all lower sources), so its dispatch kernel
+// writes them in final position. Cells hold "row + 1" (0 = not arrived) and are cleared on read:
+// a receiver writes the next value only after the next operation's entry barrier. Returns false
+// on a timeout.
+__device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_per_source) {
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
+    int32_t base = 0;
+    for (int lower = 0; lower < source; ++lower) base += recv_per_source[lower];
+    ptx::st_relaxed_sys(view.peer<int32_t>(source, WorkspaceLayout::send_base_offset + 4 * int64_t{view.rank}),
+                        base + 1);
+  }
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int dest = threadIdx.x; dest < num_ranks; dest += blockDim.x) {
+    int32_t* cell = view.local<int32_t>(WorkspaceLayout::send_base_offset + 4 * int64_t{dest});
+    int32_t value = 0;
+    const bool arrived = wait_until(view, Operation::kHtNotify, Phase::kSendBaseArrive, dest, 1, [&](int64_t& seen) {
+      value = ptx::ld_relaxed_sys(cell);
+      seen = value;
+      return value != 0;
+    });
+    if (!arrived) {
+      failed = 1;
+      continue;
+    }
+    args.send_base[dest] = value - 1;
+    ptx::st_relaxed_sys(cell, 0);
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
 // CTA 0. Returns false on a timeout (recorded; the host sees it).
 __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int num_columns, int num_blocks,
                                 int32_t* recv_per_source, int32_t* per_source_expert) {
@@ -309,7 +345,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
     ptx::st_relaxed_sys(cell, 0);
   }
   __syncthreads();
-  return true;
+  return args.send_base == nullptr || exchange_send_bases(args, recv_per_source);
 }
 
 // CTA 0, after the exchange: the handle's counts and the host-mapped copy.
@@ -415,6 +451,8 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   EP_REQUIRE(args.call.num_local_experts() + kMappedAlignedExpertCounts <= kMappedReady,
              "too many local experts for the host-mapped counters");
   check_hybrid_routing(args.call, args.hybrid, args.num_tokens);
+  EP_REQUIRE(args.call.zero_copy_recv == (args.send_base != nullptr),
+             "a notify for zero-copy receive needs send_base (and only such a notify takes one)");
   const size_t smem = notify_smem_bytes(args.call);
   // Up to 48 KiB of dynamic shared memory needs no opt-in; the attribute call costs host time on
   // every launch, so it is made only for the large-E shapes that need it.

@@ -26,11 +26,15 @@ namespace {
 // depend on the dispatch dtype: an fp8 dispatch sized to the region must not have its combine
 // refused for the bf16 dispatch rows it never uses.
 HtCall make_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk, int num_experts,
-                 bool use_fp8, bool combine_only) {
+                 bool use_fp8, bool combine_only, bool zero_copy_recv) {
   const DeviceView& view = runtime.device_view();
   const Topology topology{view.num_ranks, view.num_scaleup_ranks};
+  if (zero_copy_recv && topology.is_hybrid()) {
+    throw std::invalid_argument("zero-copy receive is direct mode only (this buffer spans " +
+                                std::to_string(topology.num_scaleout_ranks()) + " nodes)");
+  }
   HtCall call = make_ht_call(topology, runtime.window().ht_offset, num_max_tokens_per_rank, hidden, num_topk,
-                             num_experts, use_fp8);
+                             num_experts, use_fp8, zero_copy_recv);
   const int64_t needed =
       combine_only ? call.layout.combine_bytes : std::max(call.layout.dispatch_bytes, call.layout.combine_bytes);
   const int64_t available = runtime.window().ht_bytes;
@@ -68,12 +72,18 @@ void register_high_throughput(py::module_& m) {
       .def_property_readonly("num_topk", [](const HtCall& call) { return call.num_topk; })
       .def_property_readonly("num_experts", [](const HtCall& call) { return call.num_experts; })
       .def_property_readonly("use_fp8", [](const HtCall& call) { return call.use_fp8; })
+      .def_property_readonly("zero_copy_recv", [](const HtCall& call) { return call.zero_copy_recv; })
+      .def_property_readonly("zero_copy_payload_offset",
+                             [](const HtCall& call) { return call.zero_copy_payload(0) - call.ht_offset; })
+      .def_property_readonly("zero_copy_scales_offset",
+                             [](const HtCall& call) { return call.zero_copy_scales(0) - call.ht_offset; })
       .def_property_readonly("scaleout_row_bytes", [](const HtCall& call) { return call.layout.scaleout_row_bytes; })
       .def_property_readonly("dispatch_bytes", [](const HtCall& call) { return call.layout.dispatch_bytes; })
       .def_property_readonly("combine_bytes", [](const HtCall& call) { return call.layout.combine_bytes; });
 
   m.def("ht_call", &make_call, py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
-        py::arg("num_topk"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("combine_only"));
+        py::arg("num_topk"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("combine_only"),
+        py::arg("zero_copy_recv"));
 
   m.def(
       "ht_counts_layout",
@@ -104,33 +114,36 @@ void register_high_throughput(py::module_& m) {
       py::arg("call"), py::arg("num_tokens"));
 
   // The launchers take positional arguments (keyword matching costs host time on every call).
-  m.def("ht_notify", [](Runtime& runtime, const HtCall& call, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy,
-                        int num_tokens, int expert_alignment, bool do_expand, std::uintptr_t expert_slot,
-                        std::uintptr_t dst_slot, std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync,
-                        std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream, bool input_failed) {
-    ht::NotifyArgs args;
-    args.view = runtime.device_view();
-    args.call = call;
-    args.topk_idx = pointer<const int64_t>(topk_idx);
-    args.topk_idx_copy = pointer<int64_t>(topk_idx_copy);
-    args.num_tokens = num_tokens;
-    args.expert_alignment = expert_alignment;
-    args.do_expand = do_expand;
-    args.expert_slot = pointer<int32_t>(expert_slot);
-    args.dst_slot = pointer<int32_t>(dst_slot);
-    args.scratch = pointer<int32_t>(scratch);
-    args.counts = pointer<int32_t>(counts);
-    args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
-    args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
-    args.num_sms = num_sms;
-    args.input_failed = input_failed;
-    ht::launch_notify(args, as_stream(stream));
-  });
+  m.def("ht_notify",
+        [](Runtime& runtime, const HtCall& call, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy, int num_tokens,
+           int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot,
+           std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync, std::uintptr_t send_base,
+           std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream, bool input_failed) {
+          ht::NotifyArgs args;
+          args.view = runtime.device_view();
+          args.call = call;
+          args.topk_idx = pointer<const int64_t>(topk_idx);
+          args.topk_idx_copy = pointer<int64_t>(topk_idx_copy);
+          args.num_tokens = num_tokens;
+          args.expert_alignment = expert_alignment;
+          args.do_expand = do_expand;
+          args.expert_slot = pointer<int32_t>(expert_slot);
+          args.dst_slot = pointer<int32_t>(dst_slot);
+          args.scratch = pointer<int32_t>(scratch);
+          args.counts = pointer<int32_t>(counts);
+          args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
+          args.send_base = pointer<int32_t>(send_base);
+          args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
+          args.num_sms = num_sms;
+          args.input_failed = input_failed;
+          ht::launch_notify(args, as_stream(stream));
+        });
 
   m.def("ht_dispatch",
         [](Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t x, std::uintptr_t x_scales,
            std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t dst_slot, std::uintptr_t expert_slot,
-           std::uintptr_t hybrid_block, bool entry_barrier, int num_sms, std::uintptr_t stream, bool input_failed) {
+           std::uintptr_t send_base, std::uintptr_t hybrid_block, bool entry_barrier, int num_sms,
+           std::uintptr_t stream, bool input_failed) {
           ht::DispatchArgs args;
           args.view = runtime.device_view();
           args.call = call;
@@ -141,6 +154,7 @@ void register_high_throughput(py::module_& m) {
           args.topk_weights = pointer<const float>(topk_weights);
           args.dst_slot = pointer<const int32_t>(dst_slot);
           args.expert_slot = pointer<const int32_t>(expert_slot);
+          args.send_base = pointer<const int32_t>(send_base);
           args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
           args.entry_barrier = entry_barrier;
           args.num_sms = num_sms;

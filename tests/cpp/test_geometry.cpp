@@ -93,6 +93,36 @@ TEST(HtCall, DirectAndHybridAddressesFollowTheLayout) {
   EXPECT_EQ(make_ht_call(Topology{8, 4}, 0, 100000, 512, 4, 16, false).num_channels(), kMaxChannels);
 }
 
+TEST(HtCall, ZeroCopyReceiveRowsFitTheSlotAreaAndKeepMetadataApart) {
+  // fp8 and bf16, hidden sizes with and without slack in the slot alignment, odd T_max.
+  for (const bool fp8 : {true, false}) {
+    for (const int hidden : {128, 2048, 7168, 7184}) {
+      if (fp8 && hidden % kFp8GroupSize != 0) continue;
+      const HtCall call = make_ht_call(Topology{8, 8}, 4096, 37, hidden, 8, 64, fp8, true);
+      const HighThroughputLayout& layout = call.layout;
+      const TokenLayout& token = call.dispatch_token();
+      const int64_t rows = 8 * 37;
+      ASSERT_TRUE(call.zero_copy_recv);
+      // Payload rows, then scale rows, then metadata: disjoint, and inside the slot area (no growth).
+      EXPECT_EQ(call.zero_copy_payload(0), 4096 + layout.dispatch_recv_offset);
+      EXPECT_EQ(call.zero_copy_payload(5) - call.zero_copy_payload(4), call.row_bytes());
+      EXPECT_LE(call.zero_copy_payload(rows), call.zero_copy_scales(0));
+      EXPECT_EQ(call.zero_copy_scales(1) - call.zero_copy_scales(0), call.num_scales() * 4);
+      EXPECT_LE(call.zero_copy_scales(rows), 4096 + layout.zero_copy_meta_offset);
+      EXPECT_EQ(call.dispatch_meta_slot(0, 0) + token.topk_idx_offset, 4096 + layout.zero_copy_meta_offset);
+      EXPECT_EQ(call.dispatch_meta_slot(7, 36) + token.bytes - 4096,
+                layout.zero_copy_meta_offset + rows * layout.zero_copy_meta_bytes);
+      EXPECT_LE(layout.zero_copy_meta_offset + rows * layout.zero_copy_meta_bytes,
+                layout.dispatch_recv_offset + layout.dispatch_recv_bytes);
+      EXPECT_EQ(layout.dispatch_bytes, layout.dispatch_recv_bytes);
+      // Metadata rows keep 16-byte alignment; the copy layout is unchanged.
+      EXPECT_EQ((call.dispatch_meta_slot(3, 5) + token.topk_idx_offset) % 16, 0);
+      const HtCall copy = make_ht_call(Topology{8, 8}, 4096, 37, hidden, 8, 64, fp8, false);
+      EXPECT_EQ(copy.dispatch_meta_slot(3, 5), copy.dispatch_slot(3, 5));
+    }
+  }
+}
+
 TEST(LowLatency, PlannerExampleMessageAndReceiveSlots) {
   // 64 ranks, 256 experts, 128 tokens, hidden 7168, fp8: 7408 B messages, 4*64*128 slots.
   EXPECT_EQ(low_latency_message_bytes(7168, true), 7408);
@@ -149,6 +179,9 @@ TEST(LowLatency, EmptyWhenNotRequested) { EXPECT_EQ(low_latency_layout(0, 7168, 
 TEST(Workspace, ZeroInvariantRangeCoversCountersNotEpochs) {
   EXPECT_GT(WorkspaceLayout::zero_invariant_begin, WorkspaceLayout::barrier_cells_offset);
   EXPECT_LE(WorkspaceLayout::zero_invariant_end, WorkspaceLayout::grid_generations_offset);
+  // The zero-copy send-base cells are cleared on read: inside the zero invariant.
+  EXPECT_GE(WorkspaceLayout::send_base_offset, WorkspaceLayout::zero_invariant_begin);
+  EXPECT_LE(WorkspaceLayout::send_base_offset + int64_t{kMaxRanks} * 4, WorkspaceLayout::zero_invariant_end);
   EXPECT_LT(WorkspaceLayout::barrier_epoch_offset + 8, WorkspaceLayout::bytes + 1);
   EXPECT_EQ(WorkspaceLayout::bytes % kWindowAlignBytes, 0);
 }

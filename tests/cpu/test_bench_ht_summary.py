@@ -227,3 +227,13 @@ def test_speculative_operations_are_listed_only_when_asked_for():
     assert "dispatch_fp8_speculative" in names and "dispatch_bf16_speculative" in names
     assert names[-len(bench_ht.BASELINE_OPERATIONS) :] == bench_ht.BASELINE_OPERATIONS
     assert bench_ht.token_bytes("dispatch_fp8_speculative", HIDDEN) == bench_ht.token_bytes("dispatch_fp8", HIDDEN)
+
+
+def test_zero_copy_operations_are_listed_only_when_asked_for():
+    assert not set(bench_ht.ZERO_COPY_OPERATIONS) & set(bench_ht.operation_names({}))
+    names = bench_ht.operation_names({"zero_copy": True})
+    assert names[-len(bench_ht.ZERO_COPY_OPERATIONS) :] == bench_ht.ZERO_COPY_OPERATIONS
+    # Zero-copy rows carry the same bytes as their copy counterparts (the rows delivered are the same).
+    assert bench_ht.token_bytes("dispatch_fp8_cached_zero_copy", HIDDEN) == bench_ht.token_bytes("dispatch_fp8", HIDDEN)
+    assert bench_ht.token_bytes("dispatch_bf16_zero_copy", HIDDEN) == bench_ht.token_bytes("dispatch_bf16", HIDDEN)
+    assert bench_ht.parse_args(["--zero-copy"]).zero_copy
