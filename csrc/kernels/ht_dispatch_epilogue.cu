@@ -71,20 +71,44 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   const int64_t num_warps = int64_t{gridDim.x} * kEpilogueWarps;
   auto* recv_x = static_cast<uint8_t*>(args.recv_x);
 
-  for (int64_t row = first_warp; row < num_rows; row += num_warps) {
-    const int source = source_of_row(psum_shared, num_ranks, row);
-    const int64_t slot_index = row - (source > 0 ? psum_shared[source - 1] : 0);
-    // Zero-copy receive: only the metadata fields of this base are the row's (payload and scales
-    // are in final position already).
-    const uint8_t* slot = view.local<uint8_t>(call.dispatch_meta_slot(source, slot_index));
+  // One row's metadata as the warp holds it: lane k < K its entry k, lane 0 the source token.
+  struct RowMeta {
+    int source = 0;
+    const uint8_t* slot = nullptr;
     int expert = -1;
     int32_t expert_slot = -1;
     float weight = 0.0f;
+    int32_t source_token = 0;
+  };
+  const auto load_meta = [&](int64_t row) {
+    RowMeta meta;
+    if (row >= num_rows) return meta;
+    meta.source = source_of_row(psum_shared, num_ranks, row);
+    const int64_t slot_index = row - (meta.source > 0 ? psum_shared[meta.source - 1] : 0);
+    // Zero-copy receive: only the metadata fields of this base are the row's (payload and scales
+    // are in final position already).
+    meta.slot = view.local<uint8_t>(call.dispatch_meta_slot(meta.source, slot_index));
     if (lane < num_topk) {
-      expert = __ldg(reinterpret_cast<const int32_t*>(slot + token.topk_idx_offset) + lane);
-      expert_slot = __ldg(reinterpret_cast<const int32_t*>(slot + token.expert_slot_offset) + lane);
-      if (args.has_weights) weight = __ldg(reinterpret_cast<const float*>(slot + token.weights_offset) + lane);
+      meta.expert = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.topk_idx_offset) + lane);
+      meta.expert_slot = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.expert_slot_offset) + lane);
+      if (args.has_weights)
+        meta.weight = __ldg(reinterpret_cast<const float*>(meta.slot + token.weights_offset) + lane);
     }
+    if (lane == 0) meta.source_token = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.src_offset));
+    return meta;
+  };
+
+  // The next row's metadata loads are issued before this row is written, so each warp keeps two
+  // rows' loads in flight (with zero-copy receive the epilogue is only this metadata, and latency-bound).
+  RowMeta next = load_meta(first_warp);
+  for (int64_t row = first_warp; row < num_rows; row += num_warps) {
+    const RowMeta meta = next;
+    next = load_meta(row + num_warps);
+    const int source = meta.source;
+    const uint8_t* slot = meta.slot;
+    const int expert = meta.expert;
+    const int32_t expert_slot = meta.expert_slot;
+    const float weight = meta.weight;
     const int local =
         (expert >= first_local_expert && expert < first_local_expert + num_local) ? expert - first_local_expert : -1;
     const int expert_rank = expert >= 0 ? expert / num_local : -1;
@@ -134,7 +158,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     if (args.recv_src_info != nullptr && has_meta_row && lane == 0) {
       int32_t* info = args.recv_src_info + row * kSrcInfoColumns;
       info[kSrcInfoSourceRank] = source;
-      info[kSrcInfoSourceToken] = __ldg(reinterpret_cast<const int32_t*>(slot + token.src_offset));
+      info[kSrcInfoSourceToken] = meta.source_token;
       info[kSrcInfoCombineRow] = combine_row;
       info[kSrcInfoMasterLane] = master_lane;
     }
