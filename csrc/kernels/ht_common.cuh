@@ -168,7 +168,18 @@ __device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const ui
 
 // Lane k holds the rank of its entry and whether it is the first lane of that rank: the number of
 // the token's distinct destination ranks in [low, high).
+// `low` and `high` may differ between lanes (each lane gets its own count).
 __device__ __forceinline__ int distinct_ranks_in(int rank, uint32_t first_lanes, int low, int high) {
+  int count = 0;
+  for (int other = 0; other < 32; ++other) {
+    const int other_rank = __shfl_sync(kFullMask, rank, other);
+    if (((first_lanes >> other) & 1u) != 0 && other_rank >= low && other_rank < high) ++count;
+  }
+  return count;
+}
+
+// The same when `low` and `high` are the same on every lane: one ballot.
+__device__ __forceinline__ int distinct_ranks_in_uniform(int rank, uint32_t first_lanes, int low, int high) {
   const bool counted = ((first_lanes >> lane_id()) & 1u) != 0 && rank >= low && rank < high;
   return __popc(__ballot_sync(kFullMask, counted));
 }

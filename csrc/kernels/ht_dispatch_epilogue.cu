@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     // Combine sends this row back to row j of the source's (hybrid: the forwarder's) combine area:
     // j = how many of the token's distinct destination ranks in scope are below this rank.
     const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_rank));
-    const int combine_row = distinct_ranks_in(expert_rank, first_lanes, scope_first, view.rank);
+    const int combine_row = distinct_ranks_in_uniform(expert_rank, first_lanes, scope_first, view.rank);
     // DeepEP V2 names a received row by its master lane: the first top-k lane whose expert is here.
     // Every received row has one (the token came because of it); -1 would mean a corrupt slot.
     const int master_lane = __ffs(__ballot_sync(kFullMask, local >= 0)) - 1;
