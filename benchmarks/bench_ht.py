@@ -51,12 +51,14 @@ BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
 # (outputs at a guessed capacity, epilogue queued before the host waits), in the same run.
 SPECULATIVE_OPERATIONS = ("dispatch_fp8_speculative", "dispatch_bf16_speculative")
 # --zero-copy: the dispatches again with zero_copy_recv=True (rows written in final position, outputs
-# are views of the window, the epilogue writes metadata only); direct mode only.
+# are views of the window, the epilogue writes metadata only) and the zero-copy combine (the expert
+# outputs already in the buffer's combine input rows, the home ranks read them); direct mode only.
 ZERO_COPY_OPERATIONS = (
     "dispatch_fp8_zero_copy",
     "dispatch_bf16_zero_copy",
     "dispatch_fp8_cached_zero_copy",
     "dispatch_bf16_cached_zero_copy",
+    "combine_bf16_zero_copy",
 )
 
 
@@ -270,6 +272,12 @@ def bench_tokens(
             operations["dispatch_bf16_zero_copy"] = lambda: buffer.dispatch(x, topk_idx, weights, **zero_copy)
             operations["dispatch_fp8_cached_zero_copy"] = lambda: buffer.dispatch(x_fp8, **cached)
             operations["dispatch_bf16_cached_zero_copy"] = lambda: buffer.dispatch(x, **cached)
+            # The expert outputs are written once (an expert GEMM would write them there itself).
+            rows = buffer.get_combine_input_buffer(zc_handle, hidden=hidden)
+            rows.copy_(y)
+            operations["combine_bf16_zero_copy"] = lambda: buffer.combine(
+                rows, zc_handle, topk_weights=recv_weights, zero_copy=True
+            )
         return operations, handle
 
     def speculatively(operation):
@@ -333,6 +341,8 @@ def bench_rank(rank: int, num_ranks: int, group, config: dict[str, Any]) -> dict
         layout = {} if num_ranks_per_node is None else {"num_ranks_per_node": num_ranks_per_node}
         if num_ranks_per_node is not None:
             layout["allow_hybrid_mode"] = True
+        if config.get("zero_copy") and num_ranks_per_node in (None, num_ranks):
+            layout["zero_copy_combine"] = True  # room for the combine input rows
         buffer = deep_ep.ElasticBuffer(
             group,
             num_max_tokens_per_rank=max(tokens),

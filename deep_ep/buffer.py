@@ -144,6 +144,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         sl_idx: int = 3,
         num_allocated_qps: int = 0,
         enable_rank_masking: bool = False,
+        zero_copy_combine: bool = False,
     ) -> None:
         self._runtime: Any = None
         self._serial = next(_buffer_serials)
@@ -189,6 +190,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 sl_idx=sl_idx,
                 num_allocated_qps=num_allocated_qps,
                 enable_rank_masking=enable_rank_masking,
+                zero_copy_combine=zero_copy_combine,
             )
         except (ValueError, TypeError) as error:
             local_error = (type(error).__name__, str(error))
@@ -225,6 +227,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self.hidden = hidden
         self.num_topk = num_topk
         self.use_fp8_dispatch = use_fp8_dispatch
+        self.zero_copy_combine = zero_copy_combine
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.num_experts = num_experts
         backend = settings["backend"]
@@ -317,6 +320,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         sl_idx: int = 3,
         num_allocated_qps: int = 0,
         enable_rank_masking: bool = False,
+        zero_copy_combine: bool = False,
     ) -> dict[str, Any]:
         """This rank's settings, resolved from arguments and environment; raises on a bad one. Every
         rank must end up with the same values (the window has one size and layout everywhere)."""
@@ -353,6 +357,8 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 f"(num_max_dispatch_tokens_per_rank > 0), got num_max_dispatch_tokens_per_rank="
                 f"{num_max_dispatch_tokens_per_rank}"
             )
+        if not isinstance(zero_copy_combine, bool):
+            raise TypeError(f"zero_copy_combine must be a bool, got {type(zero_copy_combine).__name__}")
         if num_bytes is not None and (num_bytes <= 0 or num_bytes % _C.WINDOW_ALIGN_BYTES != 0):
             raise ValueError(f"num_bytes must be a positive multiple of 2 MiB (2097152), got {num_bytes}")
         return {
@@ -361,6 +367,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "hidden": hidden,
             "num_topk": num_topk,
             "use_fp8_dispatch": use_fp8_dispatch,
+            "zero_copy_combine": zero_copy_combine,
             "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank,
             "num_experts": num_experts,
             "allow_hybrid_mode": allow_hybrid_mode,
@@ -397,6 +404,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                     self.hidden,
                     self.num_topk,
                     self.use_fp8_dispatch,
+                    self.zero_copy_combine,
                 )["region_bytes"]
             return ht_region, ll_region
         ht_region = num_bytes - _C.WORKSPACE_BYTES - ll_region
@@ -417,6 +425,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
         num_ranks_per_node: int | None = None,
+        zero_copy_combine: bool = False,
     ) -> int:
         """Exact window bytes an HT-only buffer with these settings allocates (all ranks on one host)."""
         if not allow_multiple_reduction:
@@ -428,7 +437,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         node_size = emulated_ranks_per_node(num_ranks_per_node) or num_ranks
         scaleup = node_size if allow_hybrid_mode and node_size < num_ranks else num_ranks
         region = _C.high_throughput_layout(
-            num_ranks, scaleup, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch
+            num_ranks, scaleup, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, zero_copy_combine
         )
         return _C.window_layout(region["region_bytes"], 0)["total_bytes"]
 

@@ -685,6 +685,7 @@ class HighThroughputMixin:
         allocate_on_comm_stream: bool = False,
         num_qps: int = 0,
         previous_event_before_epilogue: EventOverlap | None = None,
+        zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Sum, for each token this rank dispatched, the rows it produced (plus ``bias``: a tensor or
         up to two), in fp32 in a fixed order (biases, then destination ranks ascending; expand rows
@@ -696,11 +697,19 @@ class HighThroughputMixin:
         ``previous_event_before_epilogue``: the reduce kernel also waits for it; ``num_qps`` is
         accepted (no RDMA queue pairs here). In hybrid mode the sum runs per node first
         (docs/architecture.md).
+
+        ``zero_copy=True`` (a buffer built with ``zero_copy_combine=True``, direct mode, a handle of a
+        ``zero_copy_recv=True`` non-expand dispatch): ``x`` is ``get_combine_input_buffer(handle)``,
+        already holding the expert outputs, and each home rank reads its tokens' rows from the
+        peers' windows (one pass instead of three; bitwise the same result). Every rank must pass the
+        same value.
         Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
         """
         self._ensure_usable()
         self._check_fatal_errors("combine")
         try:
+            if not isinstance(zero_copy, bool):
+                raise TypeError(f"zero_copy must be a bool, got {type(zero_copy).__name__}")
             if not isinstance(handle, EPHandle):
                 raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
             self._check_handle_owner(handle)
@@ -732,9 +741,28 @@ class HighThroughputMixin:
             self._check_previous_event(previous_event)
             self._check_previous_event(previous_event_before_epilogue)
             self._check_num_qps(num_qps)
+            if zero_copy:
+                pull_call = self._zero_copy_combine_call(handle, hidden)
+                if x.data_ptr() != self._ht_combine_input_views(pull_call)[0].data_ptr():
+                    raise ValueError(
+                        "combine(zero_copy=True) needs x = get_combine_input_buffer(handle) (the expert outputs "
+                        "written into the buffer's combine input rows), got another tensor"
+                    )
         except (ValueError, TypeError) as error:
-            self._combine_without_input(x, handle, error)
+            self._combine_without_input(x, handle, error, zero_copy is True)
             raise
+        if zero_copy:
+            return self._pull_combine(
+                pull_call,
+                handle,
+                topk_weights,
+                biases,
+                num_sms,
+                previous_event,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                previous_event_before_epilogue,
+            )
 
         launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         combined_x = launch.empty((handle.num_tokens, hidden), torch.bfloat16, device)
@@ -774,6 +802,116 @@ class HighThroughputMixin:
             launch.stream,
         )
         event = launch.finish(async_with_compute_stream, (x, topk_weights, *biases, *handle.tensors()))
+        return combined_x, combined_weights, event
+
+    def get_combine_input_buffer(self, handle: EPHandle, hidden: int | None = None) -> torch.Tensor:
+        """Zero-copy combine: the bf16 ``[N, H]`` rows of this buffer's window that take this rank's
+        expert outputs (row i: the output for received row i of ``handle``), to be filled by the
+        caller and passed to ``combine(x=..., handle, zero_copy=True)``. Needs a buffer built with
+        ``zero_copy_combine=True`` (direct mode) and a handle of a ``zero_copy_recv=True``,
+        non-expand dispatch. ``hidden``: default the buffer's. The rows are disjoint from the
+        dispatch's receive rows (a zero-copy ``recv_x`` may be read while they are written); the
+        caller must not write them while a zero-copy combine that reads them runs (write them on the
+        stream the combine is called from)."""
+        self._ensure_usable()
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
+        self._check_handle_owner(handle)
+        call = self._zero_copy_combine_call(handle, getattr(self, "hidden", 0) if hidden is None else hidden)
+        return self._ht_combine_input_views(call)[0][: handle.num_recv_tokens]
+
+    def _zero_copy_combine_call(self, handle: EPHandle, hidden: Any) -> Any:
+        """The call shape of a zero-copy combine with ``handle``, after its checks (ValueError /
+        BufferTooSmallError naming the rule)."""
+        scaleout = getattr(self, "num_scaleout_ranks", 1)
+        if scaleout > 1:
+            raise ValueError(f"zero-copy combine is direct mode only; this buffer spans {scaleout} nodes")
+        if handle.do_expand:
+            raise ValueError("zero-copy combine needs a non-expand handle (do_expand=False)")
+        if handle.zero_copy_send_base is None:
+            raise ValueError(
+                "zero-copy combine needs a handle of a zero_copy_recv=True dispatch (its rows' positions at every "
+                "rank come from it)"
+            )
+        if not isinstance(hidden, int) or hidden <= 0 or hidden % 8 != 0:
+            raise ValueError(f"hidden must be a positive multiple of 8, got {hidden!r}")
+        num_max_tokens = handle.num_max_tokens_per_rank
+        call = self._ht_call(num_max_tokens, hidden, handle.num_topk, handle.num_experts, False, combine_only=True)
+        available = self._window["ht_bytes"]
+        if call.zero_copy_combine_bytes > available:
+            raise BufferTooSmallError(
+                f"HT zero-copy combine (H={hidden}, K={handle.num_topk}, T_max={num_max_tokens}) needs "
+                f"{call.zero_copy_combine_bytes} bytes of the HT region, the buffer has {available}; build the "
+                "buffer with zero_copy_combine=True (and these settings) or a larger num_bytes",
+                needed_bytes=call.zero_copy_combine_bytes,
+                available_bytes=available,
+            )
+        return call
+
+    def _ht_combine_input_views(self, call: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's combine input rows ``[R * T_max, H]`` bf16 and weights ``[R * T_max, K]`` fp32,
+        as views of the window (built once per shape; callers narrow)."""
+        cache = self.__dict__.setdefault("_ht_combine_input_view_cache", {})
+        views = cache.get(call)
+        if views is None:
+            rows = self.num_ranks * call.num_max_tokens_per_rank
+            base, start, device = self._runtime.local_base(), self._window["ht_offset"], self._torch_device
+            # The views keep the runtime (the window's owner) alive, not the buffer: no reference cycle.
+            views = cache[call] = (
+                window_tensor(
+                    self._runtime, base, start + call.combine_input_offset, (rows, call.hidden), torch.bfloat16, device
+                ),
+                window_tensor(
+                    self._runtime,
+                    base,
+                    start + call.combine_input_weights_offset,
+                    (rows, call.num_topk),
+                    torch.float32,
+                    device,
+                ),
+            )
+        return views
+
+    def _pull_combine(
+        self,
+        call: Any,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None],
+        num_sms: int,
+        previous_event: EventOverlap | None,
+        async_with_compute_stream: bool,
+        allocate_on_comm_stream: bool,
+        previous_event_before_epilogue: EventOverlap | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Zero-copy combine after the checks: the weights go next to the rows, then one kernel."""
+        device = self._torch_device
+        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
+        if previous_event_before_epilogue is not None:
+            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+        combined_x = launch.empty((handle.num_tokens, call.hidden), torch.bfloat16, device)
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = launch.empty((handle.num_tokens, handle.num_topk), torch.float32, device)
+            rows = self._ht_combine_input_views(call)[1][: handle.num_recv_tokens]
+            with torch.cuda.stream(launch.comm):  # the peers read them after the kernel's entry barrier
+                rows.copy_(topk_weights)
+        _C.ht_combine_pull(
+            self._runtime,
+            call,
+            handle.num_tokens,
+            _pointer(handle.topk_idx),
+            _pointer(handle.dst_buffer_slot_idx),
+            _pointer(handle.zero_copy_send_base),
+            _pointer(biases[0]),
+            _pointer(biases[1]),
+            _pointer(combined_x),
+            _pointer(combined_weights),
+            num_sms,
+            launch.stream,
+            False,
+        )
+        event = launch.finish(async_with_compute_stream, (topk_weights, *biases, *handle.tensors()))
         return combined_x, combined_weights, event
 
     # ------------------------------------------------------------------ failed input
@@ -870,16 +1008,28 @@ class HighThroughputMixin:
 
         take_part_without_input(self, error, launch)
 
-    def _combine_without_input(self, x: Any, handle: Any, error: Exception) -> None:
+    def _combine_without_input(self, x: Any, handle: Any, error: Exception, zero_copy: bool = False) -> None:
         """Take part in this combine without data (deep_ep/failed_input.py). With this buffer's own
         handle and a known hidden size, every row this rank owes goes out as zeros (its experts count
         as absent in the peers' results); otherwise no row is sent and the peers' slots for this rank
-        hold stale data (their PeerInputError says the result must not be used)."""
+        hold stale data (their PeerInputError says the result must not be used). The push kernel
+        passes the same barriers as the zero-copy (pull) one, so it serves both; with ``zero_copy``
+        this rank's combine input rows are zeroed first, since its peers read them."""
         valid_handle = isinstance(handle, EPHandle) and handle.owner_id == self._serial
         hidden = self._combine_hidden_guess(x)
         zero_rows = valid_handle and hidden > 0
+        pull_rows = None
+        if zero_copy and zero_rows:
+            try:
+                pull_call = self._zero_copy_combine_call(handle, hidden)
+                pull_rows = self._ht_combine_input_views(pull_call)[0][: handle.num_recv_tokens]
+            except ValueError:
+                pull_rows = None
 
         def launch(stream: int, keep: Any) -> None:
+            if pull_rows is not None:
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+                    pull_rows.zero_()
             if zero_rows:
                 call = self._ht_call(
                     handle.num_max_tokens_per_rank,

@@ -127,9 +127,17 @@ struct HighThroughputLayout {
   int64_t zero_copy_scales_offset = 0;
   int64_t zero_copy_meta_offset = 0;
   int64_t zero_copy_meta_bytes = 0;  // one row's metadata: the slot from topk_idx_offset on
-  int64_t dispatch_bytes = 0;        // whole dispatch footprint
-  int64_t combine_bytes = 0;         // whole combine footprint
-  int64_t region_bytes = 0;          // max of the two, 2 MiB aligned
+  // Direct mode, zero-copy combine (opt-in at construction): this rank's expert outputs, written by
+  // the caller in received-row order [R * T_max][hidden] bf16, and their K fp32 weights, which the
+  // home ranks read (pull) instead of receiving pushed rows. After the largest (bf16) dispatch
+  // receive area of the shape, so the caller may write them while it still reads a zero-copy
+  // recv_x; a push combine's rows stay below it too.
+  int64_t combine_input_offset = 0;
+  int64_t combine_input_weights_offset = 0;
+  int64_t zero_copy_combine_bytes = 0;  // footprint of a zero-copy combine (0 in hybrid mode)
+  int64_t dispatch_bytes = 0;           // whole dispatch footprint
+  int64_t combine_bytes = 0;            // whole combine footprint
+  int64_t region_bytes = 0;             // max of the two, 2 MiB aligned
 };
 
 EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topology& topology,
@@ -153,6 +161,11 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
     layout.zero_copy_scales_offset = layout.zero_copy_payload_offset + align_up(rows * row_bytes, kSlotAlignBytes);
     layout.zero_copy_meta_offset = layout.zero_copy_scales_offset + align_up(rows * scale_row_bytes, kSlotAlignBytes);
     layout.zero_copy_meta_bytes = d - layout.dispatch_token.topk_idx_offset;
+    const int64_t bf16_dispatch_bytes = rows * dispatch_token_layout(hidden, false, num_topk).bytes;
+    layout.combine_input_offset = align_up(max_of(bf16_dispatch_bytes, layout.combine_recv_bytes), kSlotAlignBytes);
+    layout.combine_input_weights_offset =
+        align_up(layout.combine_input_offset + rows * int64_t{hidden} * 2, kSlotAlignBytes);
+    layout.zero_copy_combine_bytes = layout.combine_input_weights_offset + rows * int64_t{num_topk} * 4;
     layout.dispatch_bytes = layout.dispatch_recv_bytes;
     layout.combine_bytes = layout.combine_recv_bytes;
   } else {

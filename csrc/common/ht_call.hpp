@@ -76,6 +76,13 @@ struct HtCall {
   EP_HOST_DEVICE constexpr int64_t zero_copy_scales(int64_t row) const {
     return ht_offset + layout.zero_copy_scales_offset + row * num_scales() * 4;
   }
+  // Zero-copy combine: this rank's expert output row `row` (received-row order) and its K weights.
+  EP_HOST_DEVICE constexpr int64_t combine_input_row(int64_t row) const {
+    return ht_offset + layout.combine_input_offset + row * int64_t{hidden} * 2;
+  }
+  EP_HOST_DEVICE constexpr int64_t combine_input_weights(int64_t row) const {
+    return ht_offset + layout.combine_input_weights_offset + row * num_topk * 4;
+  }
   // Combine row `row` of `token` of a source on `source_node`. Direct: rows [j][T_max] at the home
   // rank (source_node 0). Hybrid: rows [j][source node][T_max] at the forwarder.
   EP_HOST_DEVICE constexpr int64_t combine_row_slot(int row, int source_node, int64_t token) const {

@@ -49,8 +49,16 @@ HighThroughputLayout high_throughput_layout(const HighThroughputRequest& request
   if (request.num_max_tokens_per_rank == 0) return HighThroughputLayout{};
   check_hidden(request.hidden, request.use_fp8 ? "for fp8 (one scale per 128 channels)" : "");
   const Topology topology{request.num_ranks, request.num_scaleup_ranks};
-  return deep_ep::high_throughput_layout(topology, request.num_max_tokens_per_rank, request.hidden,
-                                         resolve_high_throughput_topk(request.num_topk), request.use_fp8);
+  EP_REQUIRE(!request.zero_copy_combine || !topology.is_hybrid(),
+             "zero_copy_combine is direct mode only (the buffer spans " +
+                 std::to_string(topology.num_scaleout_ranks()) + " nodes)");
+  HighThroughputLayout layout =
+      deep_ep::high_throughput_layout(topology, request.num_max_tokens_per_rank, request.hidden,
+                                      resolve_high_throughput_topk(request.num_topk), request.use_fp8);
+  if (request.zero_copy_combine) {
+    layout.region_bytes = max_of(layout.region_bytes, align_up(layout.zero_copy_combine_bytes, kWindowAlignBytes));
+  }
+  return layout;
 }
 
 LowLatencyLayout low_latency_layout(const LowLatencyRequest& request) {

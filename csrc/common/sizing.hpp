@@ -16,6 +16,7 @@ struct HighThroughputRequest {
   int hidden = 0;
   int num_topk = 0;  // 0: size for kMaxTopK
   bool use_fp8 = false;
+  bool zero_copy_combine = false;  // direct mode: room for the combine input rows (pull combine)
 };
 
 struct LowLatencyRequest {

@@ -216,11 +216,30 @@ struct ReduceArgs {
   int num_ctas = 1;
 };
 
+// Zero-copy combine (direct mode, a handle from a zero_copy_recv dispatch): the home rank reads each
+// token's rows from the combine input of its destination ranks (row send_base[d] + dst_slot there)
+// and sums them with the biases in the push path's order, so the result is bitwise the same.
+struct PullCombineArgs {
+  DeviceView view;
+  HtCall call;
+  int num_tokens = 0;
+  const int64_t* topk_idx = nullptr;   // the handle's copy [T, K]
+  const int32_t* dst_slot = nullptr;   // the handle's [T, K]
+  const int32_t* send_base = nullptr;  // the handle's [R]
+  const void* bias0 = nullptr;         // bf16 [T, H] or nullptr
+  const void* bias1 = nullptr;
+  void* combined_x = nullptr;              // bf16 [T, H]
+  float* combined_topk_weights = nullptr;  // [T, K] or nullptr: weights are not read
+  int num_sms = 1;
+  bool input_failed = false;  // this rank's input failed: it zeroed its combine input and tells its peers
+};
+
 void launch_notify(const NotifyArgs& args, cudaStream_t stream);
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream);  // launch_dispatch checked args
 void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream);
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream);
+void launch_pull_combine(const PullCombineArgs& args, cudaStream_t stream);
 
 }  // namespace deep_ep::ht

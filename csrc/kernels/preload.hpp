@@ -37,6 +37,7 @@ void preload_runtime_kernels();
 namespace ht {
 void preload_ht_combine_kernels();
 void preload_ht_combine_reduce_kernels();
+void preload_ht_combine_pull_kernels();
 void preload_ht_dispatch_kernels();
 void preload_ht_dispatch_epilogue_kernels();
 void preload_ht_dispatch_hybrid_kernels();

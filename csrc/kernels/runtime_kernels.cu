@@ -44,6 +44,7 @@ void preload_kernels() {
   ht::preload_ht_dispatch_epilogue_kernels();
   ht::preload_ht_combine_kernels();
   ht::preload_ht_combine_reduce_kernels();
+  ht::preload_ht_combine_pull_kernels();
   preload_low_latency_dispatch_kernels();
   preload_low_latency_combine_kernels();
   preload_runtime_kernels();

@@ -19,10 +19,10 @@ void register_geometry(py::module_& m) {
 
   m.def(
       "high_throughput_layout",
-      [](int num_ranks, int num_scaleup_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_topk,
-         bool use_fp8) {
-        const HighThroughputLayout layout = high_throughput_layout(
-            HighThroughputRequest{num_ranks, num_scaleup_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8});
+      [](int num_ranks, int num_scaleup_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_topk, bool use_fp8,
+         bool zero_copy_combine) {
+        const HighThroughputLayout layout = high_throughput_layout(HighThroughputRequest{
+            num_ranks, num_scaleup_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8, zero_copy_combine});
         py::dict d;
         d["num_topk"] = resolve_high_throughput_topk(num_topk);
         d["dispatch_token_bytes"] = layout.dispatch_token.bytes;
@@ -36,10 +36,11 @@ void register_geometry(py::module_& m) {
         d["combine_recv_bytes"] = layout.combine_recv_bytes;
         d["scaleout_send_bytes"] = layout.scaleout_send_bytes;
         d["scaleout_recv_bytes"] = layout.scaleout_recv_bytes;
+        d["zero_copy_combine_bytes"] = layout.zero_copy_combine_bytes;
         return d;
       },
       py::arg("num_ranks"), py::arg("num_scaleup_ranks"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
-      py::arg("num_topk"), py::arg("use_fp8"));
+      py::arg("num_topk"), py::arg("use_fp8"), py::arg("zero_copy_combine") = false);
 
   m.def(
       "low_latency_layout",

@@ -77,6 +77,12 @@ void register_high_throughput(py::module_& m) {
                              [](const HtCall& call) { return call.zero_copy_payload(0) - call.ht_offset; })
       .def_property_readonly("zero_copy_scales_offset",
                              [](const HtCall& call) { return call.zero_copy_scales(0) - call.ht_offset; })
+      .def_property_readonly("combine_input_offset",
+                             [](const HtCall& call) { return call.combine_input_row(0) - call.ht_offset; })
+      .def_property_readonly("combine_input_weights_offset",
+                             [](const HtCall& call) { return call.combine_input_weights(0) - call.ht_offset; })
+      .def_property_readonly("zero_copy_combine_bytes",
+                             [](const HtCall& call) { return call.layout.zero_copy_combine_bytes; })
       .def_property_readonly("scaleout_row_bytes", [](const HtCall& call) { return call.layout.scaleout_row_bytes; })
       .def_property_readonly("dispatch_bytes", [](const HtCall& call) { return call.layout.dispatch_bytes; })
       .def_property_readonly("combine_bytes", [](const HtCall& call) { return call.layout.combine_bytes; });
@@ -224,6 +230,26 @@ void register_high_throughput(py::module_& m) {
     args.num_ctas = num_ctas;
     ht::launch_combine_reduce(args, as_stream(stream));
   });
+
+  m.def("ht_combine_pull",
+        [](Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx, std::uintptr_t dst_slot,
+           std::uintptr_t send_base, std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
+           std::uintptr_t combined_topk_weights, int num_sms, std::uintptr_t stream, bool input_failed) {
+          ht::PullCombineArgs args;
+          args.view = runtime.device_view();
+          args.call = call;
+          args.num_tokens = num_tokens;
+          args.topk_idx = pointer<const int64_t>(topk_idx);
+          args.dst_slot = pointer<const int32_t>(dst_slot);
+          args.send_base = pointer<const int32_t>(send_base);
+          args.bias0 = pointer<const void>(bias0);
+          args.bias1 = pointer<const void>(bias1);
+          args.combined_x = pointer<void>(combined_x);
+          args.combined_topk_weights = pointer<float>(combined_topk_weights);
+          args.num_sms = num_sms;
+          args.input_failed = input_failed;
+          ht::launch_pull_combine(args, as_stream(stream));
+        });
 }
 
 }  // namespace deep_ep

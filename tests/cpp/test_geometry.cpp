@@ -123,6 +123,39 @@ TEST(HtCall, ZeroCopyReceiveRowsFitTheSlotAreaAndKeepMetadataApart) {
   }
 }
 
+TEST(HtCall, ZeroCopyCombineInputLiesAboveEveryDispatchAndPushCombineArea) {
+  for (const int ranks : {2, 8, 16}) {
+    for (const int topk : {1, 4, 8}) {
+      const HtCall call = make_ht_call(Topology{ranks, ranks}, 4096, 37, 2048, topk, 64, false);
+      const HighThroughputLayout& layout = call.layout;
+      const HighThroughputLayout fp8 = high_throughput_layout(Topology{ranks, ranks}, 37, 2048, topk, true);
+      const int64_t rows = int64_t{ranks} * 37;
+      // Above the bf16 and fp8 receive areas (a zero-copy recv_x may be read while outputs are
+      // written) and above the push combine's rows.
+      EXPECT_GE(layout.combine_input_offset, layout.dispatch_recv_offset + layout.dispatch_recv_bytes);
+      EXPECT_GE(layout.combine_input_offset, fp8.dispatch_recv_offset + fp8.dispatch_recv_bytes);
+      EXPECT_GE(layout.combine_input_offset, layout.combine_recv_offset + layout.combine_recv_bytes);
+      EXPECT_EQ(call.combine_input_row(1) - call.combine_input_row(0), 2048 * 2);
+      EXPECT_GE(layout.combine_input_weights_offset, layout.combine_input_offset + rows * 2048 * 2);
+      EXPECT_EQ(call.combine_input_weights(1) - call.combine_input_weights(0), topk * 4);
+      EXPECT_EQ(layout.zero_copy_combine_bytes, layout.combine_input_weights_offset + rows * topk * 4);
+      EXPECT_EQ(layout.combine_input_offset % 16, 0);
+      EXPECT_EQ(layout.combine_input_weights_offset % 16, 0);
+    }
+  }
+  // Sized only on request, direct mode only.
+  const HighThroughputRequest plain{8, 8, 128, 7168, 8, false};
+  HighThroughputRequest zero_copy = plain;
+  zero_copy.zero_copy_combine = true;
+  const HighThroughputLayout with = high_throughput_layout(zero_copy);
+  EXPECT_LT(high_throughput_layout(plain).region_bytes, with.zero_copy_combine_bytes);
+  EXPECT_GE(with.region_bytes, with.zero_copy_combine_bytes);
+  EXPECT_EQ(with.region_bytes % kWindowAlignBytes, 0);
+  HighThroughputRequest hybrid = zero_copy;
+  hybrid.num_scaleup_ranks = 4;
+  EXPECT_THROW(high_throughput_layout(hybrid), std::invalid_argument);
+}
+
 TEST(LowLatency, PlannerExampleMessageAndReceiveSlots) {
   // 64 ranks, 256 experts, 128 tokens, hidden 7168, fp8: 7408 B messages, 4*64*128 slots.
   EXPECT_EQ(low_latency_message_bytes(7168, true), 7408);

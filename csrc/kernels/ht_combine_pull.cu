@@ -1,0 +1,143 @@
+// HT zero-copy combine, direct mode (pull): every rank wrote its expert outputs, in received-row
+// order, into the combine input rows of its own window (and the combine call copied their weights
+// next to them); after the entry barrier each home rank reads, for each own token, the rows of the
+// token's destination ranks straight from their windows and sums
+//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += row of the j-th destination rank, j ascending;
+//   out = bf16(acc), rounded once
+// exactly as the push path's reduce does, so the result is bitwise the same, with one pass over the
+// rows instead of three (send, land, reduce). The row of token t at rank d is d's received row
+// send_base[d] + dst_slot[t, k] (k: the first top-k entry on d), known from the zero-copy dispatch.
+// The exit barrier keeps every caller from overwriting its combine input while a peer still reads it.
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_check.hpp"
+#include "common/require.hpp"
+#include "kernels/barrier.cuh"
+#include "kernels/high_throughput.hpp"
+#include "kernels/ht_common.cuh"
+#include "kernels/preload.hpp"
+#include "kernels/topology_barrier.cuh"
+
+namespace deep_ep::ht {
+namespace {
+
+constexpr int kPullThreads = 512;
+constexpr int kPullWarps = kPullThreads / 32;
+constexpr int kSumUnroll = 2;
+
+__global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const PullCombineArgs args) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  // Every rank's combine input was written on its stream before its combine launched: complete once
+  // every rank has arrived.
+  if (blockIdx.x == 0 && !topology_barrier(view, Operation::kHtCombine, args.input_failed)) return;
+  if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+
+  const int lane = lane_id();
+  const int num_topk = call.num_topk;
+  const int num_local = call.num_local_experts();
+  const int64_t num_vectors = int64_t{call.hidden} / kBf16PerVector;
+  const auto* bias0 = static_cast<const int4*>(args.bias0);
+  const auto* bias1 = static_cast<const int4*>(args.bias1);
+  auto* out = static_cast<int4*>(args.combined_x);
+
+  const int first_warp = static_cast<int>(blockIdx.x * kPullWarps + threadIdx.x / 32);
+  for (int t = first_warp; t < args.num_tokens; t += gridDim.x * kPullWarps) {
+    const int64_t entry = int64_t{t} * num_topk + lane;
+    const int expert = lane < num_topk ? handle_expert(args.topk_idx, entry, call.num_experts) : -1;
+    const int rank = expert >= 0 ? expert / num_local : -1;
+    const bool first = is_first_lane_of_rank(rank);
+    const uint32_t first_lanes = __ballot_sync(kFullMask, first);
+    const int num_terms = __popc(first_lanes);
+    // The first lane of each destination rank holds the token's row there.
+    int64_t my_row = -1;
+    if (first) my_row = int64_t{args.send_base[rank]} + args.dst_slot[entry];
+    const uint8_t* my_row_pointer = first ? view.peer<uint8_t>(rank, call.combine_input_row(my_row)) : nullptr;
+    // Term j is the token's j-th destination rank in ascending order (the push path's row j): lane j
+    // gets its row.
+    const int below = distinct_ranks_in(rank, first_lanes, 0, rank);
+    const int term = first ? below : -1;
+    const uint8_t* term_row = nullptr;
+    for (int j = 0; j < num_terms; ++j) {
+      const int holder = __ffs(__ballot_sync(kFullMask, term == j)) - 1;
+      const auto pointer = __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_row_pointer), holder);
+      if (lane == j) term_row = reinterpret_cast<const uint8_t*>(pointer);
+    }
+
+    for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
+      float acc[kSumUnroll][kBf16PerVector];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+#pragma unroll
+        for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
+        if (index >= num_vectors) continue;
+        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + t * num_vectors + index));
+        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + t * num_vectors + index));
+      }
+      // Up to kSumTermsInFlight rows' loads in flight, added in ascending term order. __ldcg: the
+      // rows are in peers' memory, written before this kernel by their own streams.
+      for (int first_term = 0; first_term < num_terms; first_term += kSumTermsInFlight) {
+        int4 vectors[kSumTermsInFlight][kSumUnroll];
+#pragma unroll
+        for (int j = 0; j < kSumTermsInFlight; ++j) {
+          const auto* row = reinterpret_cast<const int4*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(term_row), (first_term + j) & 31));
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+            const int64_t index = base + u * 32 + lane;
+            if (first_term + j < num_terms && index < num_vectors) vectors[j][u] = __ldcg(row + index);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kSumTermsInFlight; ++j) {
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+            const int64_t index = base + u * 32 + lane;
+            if (first_term + j < num_terms && index < num_vectors) accumulate_bf16x8(acc[u], vectors[j][u]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t index = base + u * 32 + lane;
+        if (index < num_vectors) out[t * num_vectors + index] = round_to_bf16x8(acc[u]);
+      }
+    }
+
+    if (args.combined_topk_weights != nullptr) {
+      // Weight k comes from the row of the rank owning expert k (its first lane holds the row).
+      const int owner = __ffs(__match_any_sync(kFullMask, rank)) - 1;
+      const int64_t owner_row = __shfl_sync(kFullMask, my_row, owner);
+      if (lane < num_topk) {
+        float weight = 0.0f;
+        if (expert >= 0) weight = __ldcg(view.peer<float>(rank, call.combine_input_weights(owner_row)) + lane);
+        args.combined_topk_weights[entry] = weight;
+      }
+    }
+  }
+
+  // No rank may overwrite its combine input (its caller's next expert outputs) while a peer reads it.
+  if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+  if (blockIdx.x == 0) rank_barrier(view, Operation::kHtCombine);
+}
+
+}  // namespace
+
+void launch_pull_combine(const PullCombineArgs& args, cudaStream_t stream) {
+  check_ht_grid_size(args.view, "num_sms", args.num_sms);
+  check_call(args.view, args.call);
+  check_combine_shape(args.call.num_topk, args.call.hidden);
+  EP_REQUIRE(!args.call.hybrid(), "zero-copy combine is direct mode only");
+  EP_REQUIRE(args.num_tokens == 0 || (args.topk_idx != nullptr && args.dst_slot != nullptr &&
+                                      args.send_base != nullptr && args.combined_x != nullptr),
+             "zero-copy combine needs the handle's routing, destination slots and send_base (from a "
+             "zero_copy_recv dispatch) and an output");
+  pull_combine_kernel<<<args.num_sms, kPullThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht pull_combine_kernel");
+}
+
+void preload_ht_combine_pull_kernels() { preload_kernel(pull_combine_kernel, "ht zero-copy combine"); }
+
+}  // namespace deep_ep::ht
