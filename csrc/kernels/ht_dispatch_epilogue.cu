@@ -21,6 +21,7 @@ namespace {
 constexpr int kEpilogueThreads = 512;
 constexpr int kEpilogueWarps = kEpilogueThreads / 32;
 constexpr int kCopyUnroll = 4;
+constexpr int kRowsAhead = 4;
 
 __device__ __forceinline__ int source_of_row(const int32_t* psum_per_source, int num_ranks, int64_t row) {
   int low = 0;
@@ -98,12 +99,17 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     return meta;
   };
 
-  // The next row's metadata loads are issued before this row is written, so each warp keeps two
-  // rows' loads in flight (with zero-copy receive the epilogue is only this metadata, and latency-bound).
-  RowMeta next = load_meta(first_warp);
+  // The metadata loads of the warp's next kRowsAhead rows are issued before this row is written, so
+  // each warp keeps that many rows' loads in flight (with zero-copy receive the epilogue is only
+  // this metadata, and latency-bound).
+  RowMeta ahead[kRowsAhead];
+#pragma unroll
+  for (int i = 0; i < kRowsAhead; ++i) ahead[i] = load_meta(first_warp + i * num_warps);
   for (int64_t row = first_warp; row < num_rows; row += num_warps) {
-    const RowMeta meta = next;
-    next = load_meta(row + num_warps);
+    const RowMeta meta = ahead[0];
+#pragma unroll
+    for (int i = 0; i + 1 < kRowsAhead; ++i) ahead[i] = ahead[i + 1];
+    ahead[kRowsAhead - 1] = load_meta(row + kRowsAhead * num_warps);
     const int source = meta.source;
     const uint8_t* slot = meta.slot;
     const int expert = meta.expert;
