@@ -46,3 +46,18 @@ def test_hints_reject_bad_sizes_naming_the_argument():
 def test_hint_refuses_what_the_constructor_refuses():
     with pytest.raises(ValueError, match="allow_multiple_reduction=False is not supported"):
         ElasticBuffer.get_buffer_size_hint(_FakeGroup(8), 4096, 7168, allow_multiple_reduction=False)
+
+
+def test_zero_copy_combine_hint_adds_room_for_the_combine_input_rows():
+    plain = ElasticBuffer.get_buffer_size_hint(_FakeGroup(8), 4096, 7168, num_topk=8)
+    zero_copy = ElasticBuffer.get_buffer_size_hint(_FakeGroup(8), 4096, 7168, num_topk=8, zero_copy_combine=True)
+    layout = _C.high_throughput_layout(8, 8, 4096, 7168, 8, False, True)
+    assert zero_copy == _C.WORKSPACE_BYTES + layout["region_bytes"]
+    assert layout["region_bytes"] >= layout["zero_copy_combine_bytes"] > plain - _C.WORKSPACE_BYTES
+    # Expert output rows [R * T_max, H] bf16 and K weights each, above the bf16 dispatch rows.
+    rows = 8 * 4096
+    assert layout["zero_copy_combine_bytes"] >= layout["dispatch_recv_bytes"] + rows * (7168 * 2 + 8 * 4)
+    with pytest.raises(ValueError, match="direct mode only"):
+        ElasticBuffer.get_buffer_size_hint(
+            _FakeGroup(8), 4096, 7168, num_topk=8, num_ranks_per_node=4, zero_copy_combine=True
+        )
