@@ -1018,18 +1018,20 @@ class HighThroughputMixin:
         valid_handle = isinstance(handle, EPHandle) and handle.owner_id == self._serial
         hidden = self._combine_hidden_guess(x)
         zero_rows = valid_handle and hidden > 0
-        pull_rows = None
+        pull_rows: tuple[torch.Tensor, ...] = ()
         if zero_copy and zero_rows:
             try:
                 pull_call = self._zero_copy_combine_call(handle, hidden)
-                pull_rows = self._ht_combine_input_views(pull_call)[0][: handle.num_recv_tokens]
+                pull_rows = tuple(view[: handle.num_recv_tokens] for view in self._ht_combine_input_views(pull_call))
             except ValueError:
-                pull_rows = None
+                pull_rows = ()
 
         def launch(stream: int, keep: Any) -> None:
-            if pull_rows is not None:
+            if pull_rows:
+                # Rows and weights: the peers read both (zero weights, as the push path sends for a failed input).
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                    pull_rows.zero_()
+                    for view in pull_rows:
+                        view.zero_()
             if zero_rows:
                 call = self._ht_call(
                     handle.num_max_tokens_per_rank,
