@@ -497,7 +497,7 @@ class HighThroughputMixin:
                 launch.stream,
             )
 
-        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; not yet measured on a GPU): with a
+        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; bitwise tested on one H200): with a
         # CPU sync, the outputs are allocated at a capacity guessed from the previous call of this
         # shape and the copy epilogue is queued before the host waits for the counts, so the GPU
         # does not idle while the host allocates; the outputs are then narrowed to the counts, or,
