@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         "--fp8", action=argparse.BooleanOptionalAction, default=defaults.use_fp8, help="fp8 dispatch payload"
     )
     parser.add_argument(
+        "--zero-copy-combine",
+        action="store_true",
+        help="size the HT region for zero-copy combines (ElasticBuffer(zero_copy_combine=True); one node only)",
+    )
+    parser.add_argument(
         "--max-nodes", type=int, default=None, help="node limit of the routing (default: min(4, nodes))"
     )
     parser.add_argument("--link-gbs", type=float, default=defaults.link_gbs, help="scale-out GB/s per GPU")
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         num_max_tokens_per_rank=args.num_max_tokens_per_rank,
         num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank,
         use_fp8=args.fp8,
+        zero_copy_combine=args.zero_copy_combine,
         max_nodes=args.max_nodes,
         link_gbs=args.link_gbs,
         nvlink_gbs=args.nvlink_gbs,

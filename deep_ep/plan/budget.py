@@ -56,6 +56,7 @@ def caps_within_budget(
     use_fp8: bool,
     num_max_tokens_per_rank: int,
     num_max_dispatch_tokens_per_rank: int,
+    zero_copy_combine: bool = False,
 ) -> dict[str, int | bool]:
     """What a window of ``budget_bytes`` per rank holds for this setup:
 
@@ -66,7 +67,15 @@ def caps_within_budget(
 
     def window(ht_tokens: int, ll_tokens: int) -> int:
         sizes = buffer_bytes(
-            num_ranks, num_ranks_per_node, num_experts, num_topk, hidden, ht_tokens, ll_tokens, use_fp8
+            num_ranks,
+            num_ranks_per_node,
+            num_experts,
+            num_topk,
+            hidden,
+            ht_tokens,
+            ll_tokens,
+            use_fp8,
+            zero_copy_combine,
         )
         return sizes["window"]["total_bytes"]
 

@@ -28,6 +28,7 @@ class PlanConfig:
     num_max_tokens_per_rank: int = 4096  # HT T_max
     num_max_dispatch_tokens_per_rank: int = 128  # LL T_max
     use_fp8: bool = True
+    zero_copy_combine: bool = False  # size the HT region for zero-copy combines (direct mode only)
     max_nodes: int | None = None  # node limit for routing; None = min(4, num_nodes)
     link_gbs: float = 50.0  # scale-out link per GPU (400 Gb/s NIC)
     nvlink_gbs: float = 450.0  # scale-up one-way bandwidth per GPU
@@ -61,6 +62,10 @@ class PlanConfig:
             f"nodes ({reachable})",
         )
         require(self.hidden > 0, f"hidden must be positive, got {self.hidden}")
+        require(
+            not self.zero_copy_combine or self.num_nodes == 1,
+            f"zero_copy_combine is direct mode only (one node), got {self.num_nodes} nodes",
+        )
         require(
             not self.use_fp8 or self.hidden % 128 == 0,
             f"hidden must be a multiple of 128 for fp8 (one scale per 128 channels), got {self.hidden}",
@@ -109,6 +114,7 @@ def build_plan(config: PlanConfig | None = None) -> dict:
         config.num_max_tokens_per_rank,
         config.num_max_dispatch_tokens_per_rank,
         config.use_fp8,
+        config.zero_copy_combine,
     )
     routing = _routing(config)
     # What crosses the link per copy: a whole HT dispatch slot, or one LL message.
@@ -146,6 +152,7 @@ def build_plan(config: PlanConfig | None = None) -> dict:
             use_fp8=config.use_fp8,
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+            zero_copy_combine=config.zero_copy_combine,
         )
     return {
         "config": {**dataclasses.asdict(config), "max_nodes": config.resolved_max_nodes, "num_nodes": config.num_nodes},
@@ -193,6 +200,11 @@ def format_plan(plan: dict) -> str:
         ("HT combine token slot", _bytes(ht["combine_token_bytes"])),
         ("HT dispatch footprint", _bytes(ht["dispatch_bytes"])),
         ("HT combine footprint", _bytes(ht["combine_bytes"])),
+        *(
+            [("HT zero-copy combine footprint", _bytes(ht["zero_copy_combine_bytes"]))]
+            if config["zero_copy_combine"]
+            else []
+        ),
         ("HT region", _bytes(ht["region_bytes"])),
         ("LL message", _bytes(ll["message_bytes"])),
         ("LL receive slots", _bytes(ll["recv_slot_bytes"])),

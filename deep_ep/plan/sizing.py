@@ -16,11 +16,15 @@ def high_throughput_bytes(
     hidden: int,
     num_topk: int,
     use_fp8: bool,
+    zero_copy_combine: bool = False,
 ) -> dict[str, int]:
     """HT region of the window: ``_C.high_throughput_layout`` (token slot bytes, dispatch / combine
-    footprints, ``region_bytes``). ``num_ranks_per_node == num_ranks`` is direct mode (one node)."""
+    footprints, ``zero_copy_combine_bytes``, ``region_bytes``). ``num_ranks_per_node == num_ranks``
+    is direct mode (one node); ``zero_copy_combine`` sizes the region for it (direct mode only)."""
     return dict(
-        _C.high_throughput_layout(num_ranks, num_ranks_per_node, num_max_tokens_per_rank, hidden, num_topk, use_fp8)
+        _C.high_throughput_layout(
+            num_ranks, num_ranks_per_node, num_max_tokens_per_rank, hidden, num_topk, use_fp8, zero_copy_combine
+        )
     )
 
 
@@ -74,11 +78,12 @@ def buffer_bytes(
     num_max_tokens_per_rank: int,
     num_max_dispatch_tokens_per_rank: int,
     use_fp8: bool,
+    zero_copy_combine: bool = False,
 ) -> dict[str, dict]:
     """Everything an ElasticBuffer built with these settings allocates: ``high_throughput``,
     ``low_latency`` (``low_latency_slots``) and ``window`` (``total_bytes`` = the allocation)."""
     high_throughput = high_throughput_bytes(
-        num_ranks, num_ranks_per_node, num_max_tokens_per_rank, hidden, num_topk, use_fp8
+        num_ranks, num_ranks_per_node, num_max_tokens_per_rank, hidden, num_topk, use_fp8, zero_copy_combine
     )
     low_latency = low_latency_slots(
         num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, use_fp8, num_topk=num_topk

@@ -14,6 +14,7 @@ from deep_ep.plan import (
     build_plan,
     cross_node_copies,
     expected_groups_touched,
+    format_plan,
     high_throughput_bytes,
     low_latency_slots,
     node_limited_topk,
@@ -69,6 +70,21 @@ def test_buffer_bytes_window_is_workspace_plus_both_regions():
     assert window == window_bytes(ht["region_bytes"], ll["total_buffer_bytes"])
     assert window["workspace_bytes"] == _C.WORKSPACE_BYTES
     assert window["total_bytes"] == _C.WORKSPACE_BYTES + ht["region_bytes"] + ll["total_buffer_bytes"]
+
+
+def test_zero_copy_combine_sizing_is_the_c_geometry_and_one_node_only():
+    planned = high_throughput_bytes(8, 8, 4096, 7168, 8, True, zero_copy_combine=True)
+    assert planned == dict(_C.high_throughput_layout(8, 8, 4096, 7168, 8, True, True))
+    assert (
+        planned["region_bytes"]
+        >= planned["zero_copy_combine_bytes"]
+        > high_throughput_bytes(8, 8, 4096, 7168, 8, True)["region_bytes"]
+    )
+    plan = build_plan(PlanConfig(num_ranks=8, num_ranks_per_node=8, zero_copy_combine=True, num_sampled_tokens=64))
+    assert plan["high_throughput"]["region_bytes"] == planned["region_bytes"]
+    assert "HT zero-copy combine footprint" in format_plan(plan)
+    with pytest.raises(ValueError, match="zero_copy_combine is direct mode only"):
+        build_plan(PlanConfig(zero_copy_combine=True, num_sampled_tokens=64))
 
 
 def test_sizing_errors_name_the_argument():
