@@ -5,8 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/geometry.hpp"
+#include "common/require.hpp"
 
 namespace deep_ep {
 
@@ -121,7 +123,10 @@ inline HtCall make_ht_call(const Topology& topology, int64_t ht_offset, int64_t 
   call.num_topk = num_topk;
   call.num_experts = num_experts;
   call.use_fp8 = use_fp8;
-  call.zero_copy_recv = zero_copy_recv && !topology.is_hybrid();
+  // The hybrid forwarders place rows in whole slots: zero-copy receive has no hybrid layout.
+  EP_REQUIRE(!zero_copy_recv || !topology.is_hybrid(), "zero-copy receive is direct mode only (this buffer spans " +
+                                                           std::to_string(topology.num_scaleout_ranks()) + " nodes)");
+  call.zero_copy_recv = zero_copy_recv;
   call.layout = high_throughput_layout(topology, num_max_tokens_per_rank, hidden, num_topk, use_fp8);
   return call;
 }

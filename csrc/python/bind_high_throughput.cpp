@@ -29,10 +29,6 @@ HtCall make_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hi
                  bool use_fp8, bool combine_only, bool zero_copy_recv) {
   const DeviceView& view = runtime.device_view();
   const Topology topology{view.num_ranks, view.num_scaleup_ranks};
-  if (zero_copy_recv && topology.is_hybrid()) {
-    throw std::invalid_argument("zero-copy receive is direct mode only (this buffer spans " +
-                                std::to_string(topology.num_scaleout_ranks()) + " nodes)");
-  }
   HtCall call = make_ht_call(topology, runtime.window().ht_offset, num_max_tokens_per_rank, hidden, num_topk,
                              num_experts, use_fp8, zero_copy_recv);
   const int64_t needed =

@@ -121,6 +121,7 @@ TEST(HtCall, ZeroCopyReceiveRowsFitTheSlotAreaAndKeepMetadataApart) {
       EXPECT_EQ(copy.dispatch_meta_slot(3, 5), copy.dispatch_slot(3, 5));
     }
   }
+  EXPECT_THROW(make_ht_call(Topology{8, 4}, 4096, 37, 2048, 8, 64, false, true), std::invalid_argument);
 }
 
 TEST(HtCall, ZeroCopyCombineInputLiesAboveEveryDispatchAndPushCombineArea) {
