@@ -848,29 +848,34 @@ class HighThroughputMixin:
             )
         return call
 
+    def _ht_window_rows(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A view of this rank's HT region at ``offset`` (built once per place; callers narrow). The
+        views keep the runtime (the window's owner) alive, not the buffer: no reference cycle."""
+        cache = self.__dict__.setdefault("_ht_window_row_cache", {})
+        key = (offset, shape, dtype)
+        view = cache.get(key)
+        if view is None:
+            base, start = self._runtime.local_base(), self._window["ht_offset"]
+            view = cache[key] = window_tensor(self._runtime, base, start + offset, shape, dtype, self._torch_device)
+        return view
+
+    def _ht_zero_copy_views(self, call: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's final receive rows of a zero-copy call shape: ``[R * T_max, H]`` in ``dtype``
+        and ``[R * T_max, H / 128]`` fp32 scales (None for bf16)."""
+        rows = self.num_ranks * call.num_max_tokens_per_rank
+        payload = self._ht_window_rows(call.zero_copy_payload_offset, (rows, call.hidden), dtype)
+        if not call.use_fp8:
+            return payload, None
+        shape = (rows, call.hidden // FP8_GROUP_SIZE)
+        return payload, self._ht_window_rows(call.zero_copy_scales_offset, shape, torch.float32)
+
     def _ht_combine_input_views(self, call: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's combine input rows ``[R * T_max, H]`` bf16 and weights ``[R * T_max, K]`` fp32,
-        as views of the window (built once per shape; callers narrow)."""
-        cache = self.__dict__.setdefault("_ht_combine_input_view_cache", {})
-        views = cache.get(call)
-        if views is None:
-            rows = self.num_ranks * call.num_max_tokens_per_rank
-            base, start, device = self._runtime.local_base(), self._window["ht_offset"], self._torch_device
-            # The views keep the runtime (the window's owner) alive, not the buffer: no reference cycle.
-            views = cache[call] = (
-                window_tensor(
-                    self._runtime, base, start + call.combine_input_offset, (rows, call.hidden), torch.bfloat16, device
-                ),
-                window_tensor(
-                    self._runtime,
-                    base,
-                    start + call.combine_input_weights_offset,
-                    (rows, call.num_topk),
-                    torch.float32,
-                    device,
-                ),
-            )
-        return views
+        """This rank's combine input rows ``[R * T_max, H]`` bf16 and weights ``[R * T_max, K]`` fp32."""
+        rows = self.num_ranks * call.num_max_tokens_per_rank
+        return (
+            self._ht_window_rows(call.combine_input_offset, (rows, call.hidden), torch.bfloat16),
+            self._ht_window_rows(call.combine_input_weights_offset, (rows, call.num_topk), torch.float32),
+        )
 
     def _pull_combine(
         self,
@@ -1103,27 +1108,6 @@ class HighThroughputMixin:
                 self._runtime, num_max_tokens, hidden, num_topk, num_experts, use_fp8, combine_only, zero_copy_recv
             )
         return call
-
-    def _ht_zero_copy_views(self, call: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's final receive rows of a zero-copy call shape, as ``([R * T_max, H] dtype,
-        [R * T_max, H / 128] fp32 or None)`` views of the window (built once per shape; callers narrow)."""
-        cache = self.__dict__.setdefault("_ht_zero_copy_view_cache", {})
-        views = cache.get((call, dtype))
-        if views is None:
-            rows = self.num_ranks * call.num_max_tokens_per_rank
-            base, start, device = self._runtime.local_base(), self._window["ht_offset"], self._torch_device
-            # The views keep the runtime (the window's owner) alive, not the buffer: no reference cycle.
-            payload = window_tensor(
-                self._runtime, base, start + call.zero_copy_payload_offset, (rows, call.hidden), dtype, device
-            )
-            scales = None
-            if call.use_fp8:
-                shape = (rows, call.hidden // FP8_GROUP_SIZE)
-                scales = window_tensor(
-                    self._runtime, base, start + call.zero_copy_scales_offset, shape, torch.float32, device
-                )
-            views = cache[(call, dtype)] = (payload, scales)
-        return views
 
     def _check_zero_copy_recv(self, do_expand: bool, handle: EPHandle | None) -> None:
         scaleout = getattr(self, "num_scaleout_ranks", 1)
