@@ -49,6 +49,8 @@ OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "dispatch_
 BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
 # --speculative-epilogue: the uncached dispatches again with EP_HT_SPECULATIVE_EPILOGUE's behaviour
 # (outputs at a guessed capacity, epilogue queued before the host waits), in the same run.
+# The three calls whose host time issue targets name: uncached dispatch, cached dispatch, combine.
+HOST_PROFILED_OPERATIONS = ("dispatch_fp8", "dispatch_fp8_cached", "combine_bf16")
 SPECULATIVE_OPERATIONS = ("dispatch_fp8_speculative", "dispatch_bf16_speculative")
 # --zero-copy: the dispatches again with zero_copy_recv=True (rows written in final position, outputs
 # are views of the window, the epilogue writes metadata only) and the zero-copy combine (the expert
@@ -83,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(hybrid HT mode when S < the group size); default: the default buffer only",
     )
     parser.add_argument(
-        "--host-profile", action="store_true", help="print a cProfile of 200 uncached fp8 dispatch calls (rank 0)"
+        "--host-profile",
+        action="store_true",
+        help=f"print a cProfile of 200 calls of each of {', '.join(HOST_PROFILED_OPERATIONS)} (rank 0)",
     )
     parser.add_argument(
         "--speculative-epilogue",
@@ -302,9 +306,10 @@ def bench_tokens(
             measure(name, operation, requested, handle.num_sms, handle.num_recv_tokens, extra)
         if config.get("host_profile") and default_layout and requested == config["num_sms"][0]:
             # Every rank makes the calls (the count exchange needs them all); rank 0 prints.
-            profile_text = host_profile(operations["dispatch_fp8"])
-            if rank == 0:
-                print(f"[bench_ht] host profile, dispatch_fp8, T={num_tokens}:\n{profile_text}")
+            for name in HOST_PROFILED_OPERATIONS:
+                profile_text = host_profile(operations[name])
+                if rank == 0:
+                    print(f"[bench_ht] host profile, {name}, T={num_tokens}:\n{profile_text}")
 
     if config.get("baseline") and default_layout:
         group = buffer.group

@@ -530,8 +530,11 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         if call is not None:
             self._num_calls += 1
             self._calls.append((self._num_calls, call, time.monotonic()))
-            self._runtime.set_call_serial(self._num_calls)  # the kernels of this call carry it
-        if self._runtime.has_fatal_error():
+            # The kernels of this call carry its serial; one binding call sets it and reads the record.
+            fatal = self._runtime.begin_call(self._num_calls)
+        else:
+            fatal = self._runtime.has_fatal_error()
+        if fatal:
             self._raise_timeout(self._runtime.error_record())
 
     def _raise_timeout(self, record: dict[str, Any]) -> None:

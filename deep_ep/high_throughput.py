@@ -108,6 +108,11 @@ def speculative_rows(last: int, worst: int) -> int:
     return max(0, min(worst, wanted))
 
 
+# Placeholder for a handle array allocated once the counts are known (no allocation of its own:
+# every torch.empty costs host time on the uncached path).
+_NOT_ALLOCATED = torch.empty(0)
+
+
 def _cuda_event(event: EventOverlap | torch.cuda.Event) -> torch.cuda.Event:
     return event.event if isinstance(event, EventOverlap) else event
 
@@ -141,50 +146,57 @@ def _kernel_ready(tensor: torch.Tensor) -> bool:
 
 class _CommLaunch:
     """One operation's stream protocol: comm waits first, allocations on the chosen stream, and a
-    finish() that records the event and either hands it to the caller or makes the caller wait."""
+    finish() that records the event and either hands it to the caller or makes the caller wait.
+
+    The joins between the caller's stream and comm go through ``Runtime.join_streams`` (an event
+    the runtime owns) and streams travel as raw handles: a torch Event and Stream object per call
+    cost more host time than the kernels' launches (the host path of every call)."""
 
     def __init__(
-        self, comm: torch.cuda.Stream, previous_event: Any, allocate_on_comm_stream: bool, device: int
+        self, runtime: Any, comm: torch.cuda.Stream, previous_event: Any, allocate_on_comm_stream: bool, device: int
     ) -> None:
-        # An int device index keeps torch off its slow device-resolution path (host time counts).
-        self.compute = torch.cuda.current_stream(device)
+        self.runtime = runtime
         self.comm = comm
+        self.stream: int = comm.cuda_stream
+        self.compute_stream: int = torch._C._cuda_getCurrentRawStream(device)
         if previous_event is not None:
             comm.wait_event(_cuda_event(previous_event))
         else:
-            comm.wait_stream(self.compute)
+            runtime.join_streams(self.stream, self.compute_stream)
         # With previous_event the comm stream does not wait for the caller's stream, so memory the
         # caller's stream freed may still be in use there: allocate on comm (and hand the outputs to
         # the caller's stream through record_stream in finish) whatever allocate_on_comm_stream says.
         self.on_comm = allocate_on_comm_stream or previous_event is not None
-        self.alloc_stream = comm if self.on_comm else self.compute
+        # The caller's stream as a torch object, only where record_stream needs one. An int device
+        # index keeps torch off its slow device-resolution path.
+        self.compute = torch.cuda.current_stream(device) if self.on_comm else None
         self.allocated: list[torch.Tensor] = []
-
-    @property
-    def stream(self) -> int:
-        return self.comm.cuda_stream
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.on_comm:
-            with torch.cuda.stream(self.alloc_stream):
+            with torch.cuda.stream(self.comm):
                 tensor = torch.empty(shape, dtype=dtype, device=device)
         else:  # the caller's stream is current already: no stream switch on the host path
             tensor = torch.empty(shape, dtype=dtype, device=device)
         self.allocated.append(tensor)
         return tensor
 
+    def join_caller(self) -> None:
+        """The caller's stream waits for everything queued on comm so far."""
+        self.runtime.join_streams(self.compute_stream, self.stream)
+
     def finish(self, async_with_compute_stream: bool, used: Sequence[torch.Tensor | None]) -> EventOverlap:
-        event = torch.cuda.Event()
-        event.record(self.comm)
         if self.on_comm and not torch.cuda.is_current_stream_capturing():
             # Allocated on comm, handed to the caller's stream: the allocator must not reuse them on
             # comm while the caller still works with them.
             for tensor in self.allocated:
                 tensor.record_stream(self.compute)
         if async_with_compute_stream:
+            event = torch.cuda.Event()
+            event.record(self.comm)
             keep = tuple(tensor for tensor in (*used, *self.allocated) if tensor is not None)
             return EventOverlap(event, extra_tensors=keep)
-        self.compute.wait_event(event)
+        self.join_caller()
         return EventOverlap(None)
 
 
@@ -411,7 +423,7 @@ class HighThroughputMixin:
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
         call = self._ht_call(num_max_tokens, hidden, num_topk, num_experts, use_fp8, zero_copy_recv=zero_copy_recv)
-        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
+        launch = _CommLaunch(self._runtime, self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         input_scales = scales
         packed_scales = scales is not None and scales.dtype == torch.int32
         if packed_scales:
@@ -553,8 +565,10 @@ class HighThroughputMixin:
             recv_scales = _packed_like_input(launch, recv_scales, device)
         if use_fp8 and use_tma_aligned_col_major_sf:
             recv_scales = _to_col_major_scales(launch, recv_scales, device)
-        used = (data, input_scales, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
-        used += new_handle.tensors()
+        used = ()
+        if async_with_compute_stream:  # the event keeps them; a synchronous call needs no list
+            used = (data, input_scales, scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
+            used += new_handle.tensors()
         event = launch.finish(async_with_compute_stream, used)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
@@ -569,7 +583,7 @@ class HighThroughputMixin:
         except BaseException:
             # The kernels may still run and read the handle's arrays and the inputs: order whatever
             # the caller does next (freeing them included) after them.
-            launch.compute.wait_stream(launch.comm)
+            launch.join_caller()
             raise
         handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
         handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
@@ -650,7 +664,7 @@ class HighThroughputMixin:
             psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
             psum_num_recv_tokens_per_expert=psum_per_expert,
             num_unaligned_recv_tokens_per_expert=unaligned,
-            recv_src_info=torch.empty(0),  # allocated once the sizes are known
+            recv_src_info=_NOT_ALLOCATED,  # allocated once the sizes are known
             dst_buffer_slot_idx=dst_slot,
             num_ranks=num_ranks,
             num_tokens=num_tokens,
@@ -764,7 +778,7 @@ class HighThroughputMixin:
                 previous_event_before_epilogue,
             )
 
-        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
+        launch = _CommLaunch(self._runtime, self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         combined_x = launch.empty((handle.num_tokens, hidden), torch.bfloat16, device)
         combined_weights = None
         if topk_weights is not None:
@@ -891,7 +905,7 @@ class HighThroughputMixin:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Zero-copy combine after the checks: the weights go next to the rows, then one kernel."""
         device = self._torch_device
-        launch = _CommLaunch(self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
+        launch = _CommLaunch(self._runtime, self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         if previous_event_before_epilogue is not None:
             launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
         combined_x = launch.empty((handle.num_tokens, call.hidden), torch.bfloat16, device)
@@ -1306,7 +1320,13 @@ class HighThroughputMixin:
         if not isinstance(num_sms, int) or num_sms < 0:
             raise ValueError(f"num_sms must be an int >= 0 (0 = estimate), got {num_sms!r}")
         if num_sms == 0:
-            return self.get_theoretical_num_sms(num_experts, num_topk)
+            # The estimate with default link rates, memoised per shape here: its own cache checks
+            # and keys its arguments, which costs host time on every call that passes num_sms=0.
+            estimates = self.__dict__.setdefault("_default_num_sms", {})
+            key = (num_experts, num_topk)
+            if key not in estimates:
+                estimates[key] = self.get_theoretical_num_sms(num_experts, num_topk)
+            return estimates[key]
         if num_sms > self._max_ht_num_sms:
             raise ValueError(
                 f"num_sms={num_sms} exceeds this rank's SM cap for HT kernels, {self._max_ht_num_sms} (all device "

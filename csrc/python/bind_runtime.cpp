@@ -104,7 +104,12 @@ void register_runtime(py::module_& m) {
            })
       .def("has_fatal_error", [](const Runtime& self) { return self.error_record().status != 0; })
       .def("clear_invalid_input", &Runtime::clear_invalid_input)
-      .def("set_call_serial", &Runtime::set_call_serial, py::arg("serial"))
+      // Per-call host path: positional arguments only (keyword matching costs host time).
+      .def("begin_call", &Runtime::begin_call)
+      .def("join_streams",
+           [](const Runtime& self, std::uintptr_t waiting, std::uintptr_t signalling) {
+             self.join_streams(reinterpret_cast<cudaStream_t>(waiting), reinterpret_cast<cudaStream_t>(signalling));
+           })
       .def("clear_peer_failed", &Runtime::clear_peer_failed)
       .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))
       .def("read_mapped_counters", &Runtime::read_mapped_counters, py::arg("begin"), py::arg("count"))

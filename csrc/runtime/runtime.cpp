@@ -76,6 +76,7 @@ void Runtime::create_resources() {
   mapped_counters_host_ = static_cast<volatile int32_t*>(mapped);
   for (int i = 0; i < kNumMappedCounters; ++i) mapped_counters_host_[i] = 0;
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
+  EP_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
 
   if (config_.backend == BackendKind::kIpc) {
     memory_ = std::make_unique<CudaIpcMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
@@ -318,6 +319,14 @@ void Runtime::destroy() {
   if (mapped_counters_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(mapped_counters_host_));
   mapped_counters_host_ = nullptr;
   mapped_counters_device_ = nullptr;
+  if (join_event_ != nullptr) cudaEventDestroy(join_event_);
+  join_event_ = nullptr;
+}
+
+void Runtime::join_streams(cudaStream_t waiting, cudaStream_t signalling) const {
+  if (join_event_ == nullptr) throw std::logic_error("join_streams after destroy()");
+  EP_CUDA_CHECK(cudaEventRecord(join_event_, signalling));
+  EP_CUDA_CHECK(cudaStreamWaitEvent(waiting, join_event_, 0));
 }
 
 }  // namespace deep_ep

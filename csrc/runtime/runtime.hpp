@@ -75,9 +75,19 @@ class Runtime {
   const WindowLayout& window() const { return config_.window; }
   // Requires connected(); throws std::logic_error otherwise (or after destroy()).
   const DeviceView& device_view() const;
-  // The serial of the host call whose kernels launch next: every launch's view carries it, and a
-  // timeout records it, so the report names the call (Python's call log maps it to a name).
-  void set_call_serial(int32_t serial) { view_.call_serial = serial; }
+  // The start of every host call. Sets the serial of the call whose kernels launch next (every
+  // launch's view carries it, and a timeout records it, so the report names the call: Python's call
+  // log maps it to a name) and says whether a timeout was recorded; one binding call instead of
+  // two on the per-call host path.
+  bool begin_call(int32_t serial) {
+    view_.call_serial = serial;
+    return error_record().status != 0;
+  }
+  // `waiting` waits for the work queued on `signalling` so far: an event record and a stream
+  // wait, with an event the runtime owns (reused: a wait takes the record it finds when it is
+  // queued, so one event serves every join). Capturable like torch's Stream.wait_stream, without
+  // creating and destroying a torch Event per call on the host path.
+  void join_streams(cudaStream_t waiting, cudaStream_t signalling) const;
 
   // Window base of this rank / of `rank`, as device addresses valid in this process (nullptr for a
   // rank outside this rank's load/store team: another host, gin transport).
@@ -130,6 +140,7 @@ class Runtime {
   ErrorRecord* error_device_ = nullptr;
   volatile int32_t* mapped_counters_host_ = nullptr;
   int32_t* mapped_counters_device_ = nullptr;
+  cudaEvent_t join_event_ = nullptr;
 };
 
 }  // namespace deep_ep

@@ -106,8 +106,9 @@ class _QuietRuntime:
 
     serial = 0
 
-    def set_call_serial(self, serial):
+    def begin_call(self, serial):
         self.serial = serial
+        return self.has_fatal_error()
 
     def has_fatal_error(self):
         return False
