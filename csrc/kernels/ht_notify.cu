@@ -6,10 +6,10 @@
 //    last row of the scratch holds this rank's totals.
 // 3. Bases are added to the in-block ordinals: expert_slot / dst_slot are then ranks among this
 //    rank's tokens in token order (no atomics, so the receive order is (source, token)).
-// CTA 0 meanwhile passes the entry barrier and exchanges counts through the workspace cells
-// ("count + 1", 0 = not arrived), resets the cells it consumed, and writes the handle's counts and,
-// for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs add the bases
-// and copy topk_idx into the handle.
+// CTA 0 meanwhile exchanges counts through the workspace cells ("count + 1", 0 = not arrived; in
+// direct mode with no entry barrier: the exchange is the gate, see exchange_counts), resets the
+// cells it consumed, and writes the handle's counts and, for a CPU sync, the host-mapped counters
+// with the ready cell last. The other CTAs add the bases and copy topk_idx into the handle.
 //
 // Hybrid mode adds one column per node (a token counts once per node holding one of its experts:
 // node_slot = its row in the scale-out stream to that node) and sends the counts for another
@@ -253,8 +253,8 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
 // CTA 0, zero-copy receive, once every source's count has arrived: each source learns where its
 // rows start among this rank's final rows (the rows of all lower sources), so its dispatch kernel
 // writes them in final position. Cells hold "row + 1" (0 = not arrived) and are cleared on read:
-// a receiver writes the next value only after the next operation's entry barrier. Returns false
-// on a timeout.
+// a receiver writes the next value only after the source's counts of the next operation arrived,
+// i.e. after the source finished this notify. Returns false on a timeout.
 __device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_per_source) {
   const DeviceView& view = args.view;
   const int num_ranks = view.num_ranks;
@@ -300,8 +300,22 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
   const int num_dests = call.hybrid() ? call.ranks_per_node() : num_ranks;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  // No peer may still read its receive area or its count cells from the previous operation.
-  if (!topology_barrier(view, Operation::kHtNotify, args.input_failed)) return false;
+  if (call.hybrid()) {
+    // The scale-out count messages and the forwarders' republishing need every node past the
+    // previous operation first.
+    if (!topology_barrier(view, Operation::kHtNotify, args.input_failed)) return false;
+  } else if (args.input_failed) {
+    // Direct mode has no entry barrier (below): the announcement goes out before the rank cells
+    // that release this rank's counts, and each receiver collects it after acquiring them.
+    announce_input_failed(view);
+  }
+  // Direct mode needs no entry barrier: the count exchange is the gate. A peer's rank cell of this
+  // operation arrives only once that peer has started this notify, i.e. finished everything it
+  // queued before on its stream (its epilogue's and combine's reads of its window), so the dispatch
+  // kernel, which runs after this exchange, writes into no window a peer still reads. The cells
+  // themselves are free when written: a sender reaches its next notify only after the exit barrier
+  // of this operation's dispatch kernel, which a receiver enters only after it consumed (and
+  // cleared) this operation's cells.
 
   // Expert counts first; the rank count, released after them, announces that all of them landed.
   for (int index = threadIdx.x; index < num_dests * num_local; index += blockDim.x) {
@@ -332,8 +346,10 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
       continue;
     }
     recv_per_source[source] = value - 1;
-    // Back to zero (workspace invariant); the source writes it again only after the next barrier.
+    // Back to zero (workspace invariant); the source writes it again only in its next notify, after
+    // this operation's dispatch exit barrier.
     ptx::st_relaxed_sys(cell, 0);
+    if (!call.hybrid()) collect_input_failed(view, Operation::kHtNotify, source);
   }
   __syncthreads();
   if (failed != 0) return false;
