@@ -53,28 +53,11 @@ __device__ __forceinline__ int sort_rows_to_lanes(int row, int* num_rows) {
 }
 
 __device__ void send_expanded_sum(const int4* x, int64_t num_vectors, int ordered_row, int num_rows, int4* dst) {
-  const int lane = lane_id();
-  for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
-    float acc[kSumUnroll][kBf16PerVector];
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-#pragma unroll
-      for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
-    }
-    for (int term = 0; term < num_rows; ++term) {
-      const int64_t row = __shfl_sync(kFullMask, ordered_row, term);
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-        if (index < num_vectors) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(x + row * num_vectors + index));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t index = base + u * 32 + lane;
-      if (index < num_vectors) dst[index] = round_to_bf16x8(acc[u]);
-    }
-  }
+  // Term j: x's row held by lane j (rows past num_rows are never loaded; clamped to stay in x).
+  sum_row_to_bf16<kSumUnroll>(
+      dst, nullptr, nullptr, num_rows, num_vectors,
+      [&](int j) { return x + int64_t{max(__shfl_sync(kFullMask, ordered_row, j & 31), 0)} * num_vectors; },
+      [](const int4* p) { return ptx::ld_nc_v4(p); });
 }
 
 // Hybrid mode, forwarder phase: the node partial of one token (this node's rows of it, summed in
@@ -95,21 +78,11 @@ __device__ void sum_node_rows(const DeviceView& view, const HtCall& call, int so
   const uint8_t* rows = view.local<uint8_t>(call.combine_row_slot(0, source_node, token));
   const int64_t row_stride =
       call.combine_row_slot(1, source_node, token) - call.combine_row_slot(0, source_node, token);
-  for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
-    float acc[kSumUnroll][kBf16PerVector];
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-#pragma unroll
-      for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
-    }
-    // __ldcg: the rows were stored by this node's ranks during this kernel.
-    accumulate_rows(acc, rows, row_stride, num_terms, base, num_vectors, [](const int4* p) { return __ldcg(p); });
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t index = base + u * 32 + lane;
-      if (index < num_vectors) reinterpret_cast<int4*>(dst)[index] = round_to_bf16x8(acc[u]);
-    }
-  }
+  // __ldcg: the rows were stored by this node's ranks during this kernel.
+  sum_row_to_bf16<kSumUnroll>(
+      reinterpret_cast<int4*>(dst), nullptr, nullptr, num_terms, num_vectors,
+      [&](int j) { return reinterpret_cast<const int4*>(rows + j * row_stride); },
+      [](const int4* p) { return __ldcg(p); });
   // Weight k comes from the row of the rank owning expert k; entries of other nodes carry 0.
   const int term = distinct_ranks_in(in_node_rank, first_lanes, node_first, in_node_rank);
   if (lane < call.num_topk) {

@@ -67,46 +67,16 @@ __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const Pul
       if (lane == j) term_row = reinterpret_cast<const uint8_t*>(pointer);
     }
 
-    for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
-      float acc[kSumUnroll][kBf16PerVector];
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-#pragma unroll
-        for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
-        if (index >= num_vectors) continue;
-        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + t * num_vectors + index));
-        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + t * num_vectors + index));
-      }
-      // Up to kSumTermsInFlight rows' loads in flight, added in ascending term order. __ldcg: the
-      // rows are in peers' memory, written before this kernel by their own streams.
-      for (int first_term = 0; first_term < num_terms; first_term += kSumTermsInFlight) {
-        int4 vectors[kSumTermsInFlight][kSumUnroll];
-#pragma unroll
-        for (int j = 0; j < kSumTermsInFlight; ++j) {
-          const auto* row = reinterpret_cast<const int4*>(
-              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(term_row), (first_term + j) & 31));
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            const int64_t index = base + u * 32 + lane;
-            if (first_term + j < num_terms && index < num_vectors) vectors[j][u] = __ldcg(row + index);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kSumTermsInFlight; ++j) {
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            const int64_t index = base + u * 32 + lane;
-            if (first_term + j < num_terms && index < num_vectors) accumulate_bf16x8(acc[u], vectors[j][u]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-        if (index < num_vectors) out[t * num_vectors + index] = round_to_bf16x8(acc[u]);
-      }
-    }
+    // __ldcg: the rows are in peers' memory, written before this kernel by their own streams.
+    const int64_t row = t * num_vectors;
+    sum_row_to_bf16<kSumUnroll>(
+        out + row, bias0 != nullptr ? bias0 + row : nullptr, bias1 != nullptr ? bias1 + row : nullptr, num_terms,
+        num_vectors,
+        [&](int j) {
+          return reinterpret_cast<const int4*>(
+              __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(term_row), j & 31));
+        },
+        [](const int4* p) { return __ldcg(p); });
 
     if (args.combined_topk_weights != nullptr) {
       // Weight k comes from the row of the rank owning expert k (its first lane holds the row).

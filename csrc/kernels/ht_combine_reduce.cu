@@ -47,25 +47,11 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(const ReduceArgs
     const int64_t area_stride = call.hybrid() ? call.partial_slot(1, t) - call.partial_slot(0, t)
                                               : call.combine_row_slot(1, 0, t) - call.combine_row_slot(0, 0, t);
 
-    for (int64_t base = 0; base < num_vectors; base += 32 * kSumUnroll) {
-      float acc[kSumUnroll][kBf16PerVector];
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-#pragma unroll
-        for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
-        if (index >= num_vectors) continue;
-        if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + t * num_vectors + index));
-        if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + t * num_vectors + index));
-      }
-      accumulate_rows(acc, token_rows, area_stride, num_terms, base, num_vectors,
-                      [](const int4* p) { return ptx::ld_nc_v4(p); });
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t index = base + u * 32 + lane;
-        if (index < num_vectors) out[t * num_vectors + index] = round_to_bf16x8(acc[u]);
-      }
-    }
+    const int64_t row = t * num_vectors;
+    sum_row_to_bf16<kSumUnroll>(
+        out + row, bias0 != nullptr ? bias0 + row : nullptr, bias1 != nullptr ? bias1 + row : nullptr, num_terms,
+        num_vectors, [&](int j) { return reinterpret_cast<const int4*>(token_rows + j * area_stride); },
+        [](const int4* p) { return ptx::ld_nc_v4(p); });
 
     if (args.combined_topk_weights != nullptr) {
       // Weight k comes from the term of the rank (node) owning expert k.

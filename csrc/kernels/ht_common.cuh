@@ -195,24 +195,32 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], 
   }
 }
 
-// acc[u] += rows [0, num_terms) at vector `base + u * 32 + lane` (row t at rows + t * stride), in
-// ascending term order: the fixed order is what makes the sum bitwise reproducible. The loads of up
-// to kSumTermsInFlight terms are issued before any is added, so a warp keeps that many rows' loads
-// in flight instead of one (the sums are bound by load latency, not bandwidth). `load` is the load
-// the caller's coherence needs (__ldcg for rows peers wrote in this kernel, ld.nc for rows of an
-// earlier kernel).
+// Round to nearest even, once.
+__device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[kBf16PerVector]) {
+  int4 vector;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&vector);
+#pragma unroll
+  for (int p = 0; p < kBf16PerVector / 2; ++p) pairs[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
+  return vector;
+}
+
+// acc[u] += terms [0, num_terms) at vector `base + u * 32 + lane` (term j's row: row_of(j), called
+// by every lane for every j, so it may shuffle), in ascending term order: the fixed order is what
+// makes the sum bitwise reproducible. The loads of up to kSumTermsInFlight terms are issued before
+// any is added, so a warp keeps that many rows' loads in flight instead of one (the sums are bound
+// by load latency, not bandwidth). `load` is the load the caller's coherence needs (__ldcg for rows
+// peers wrote in this kernel or a peer's window, ld.nc for rows of an earlier kernel).
 constexpr int kSumTermsInFlight = 4;
 
-template <int kUnroll, typename Load>
-__device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVector], const uint8_t* rows,
-                                                int64_t stride, int num_terms, int64_t base, int64_t num_vectors,
-                                                const Load& load) {
+template <int kUnroll, typename RowOf, typename Load>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVector], const RowOf& row_of,
+                                                int num_terms, int64_t base, int64_t num_vectors, const Load& load) {
   const int lane = lane_id();
   for (int first = 0; first < num_terms; first += kSumTermsInFlight) {
     int4 vectors[kSumTermsInFlight][kUnroll];
 #pragma unroll
     for (int t = 0; t < kSumTermsInFlight; ++t) {
-      const auto* row = reinterpret_cast<const int4*>(rows + (first + t) * stride);
+      const int4* row = row_of(first + t);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t index = base + u * 32 + lane;
@@ -230,13 +238,32 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVe
   }
 }
 
-// Round to nearest even, once.
-__device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[kBf16PerVector]) {
-  int4 vector;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&vector);
+// One warp, one token: out = bf16(bias0 + bias1 + term 0 + ... + term num_terms-1), summed in fp32 in
+// that order and rounded once, kUnroll vectors per lane at a time (every combine sum: the reduce,
+// the zero-copy pull, the hybrid forwarder's node partial). A null bias is skipped; the biases and
+// `out` point at the token's row; terms as in accumulate_rows.
+template <int kUnroll, typename RowOf, typename Load>
+__device__ __forceinline__ void sum_row_to_bf16(int4* out, const int4* bias0, const int4* bias1, int num_terms,
+                                                int64_t num_vectors, const RowOf& row_of, const Load& load) {
+  const int lane = lane_id();
+  for (int64_t base = 0; base < num_vectors; base += 32 * kUnroll) {
+    float acc[kUnroll][kBf16PerVector];
 #pragma unroll
-  for (int p = 0; p < kBf16PerVector / 2; ++p) pairs[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
-  return vector;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t index = base + u * 32 + lane;
+#pragma unroll
+      for (int e = 0; e < kBf16PerVector; ++e) acc[u][e] = 0.0f;
+      if (index >= num_vectors) continue;
+      if (bias0 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias0 + index));
+      if (bias1 != nullptr) accumulate_bf16x8(acc[u], ptx::ld_nc_v4(bias1 + index));
+    }
+    accumulate_rows(acc, row_of, num_terms, base, num_vectors, load);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t index = base + u * 32 + lane;
+      if (index < num_vectors) out[index] = round_to_bf16x8(acc[u]);
+    }
+  }
 }
 
 }  // namespace deep_ep::ht
