@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--host-profile",
         action="store_true",
-        help=f"print a cProfile of 200 calls of each of {', '.join(HOST_PROFILED_OPERATIONS)} (rank 0)",
+        help=f"print a cProfile of 200 calls of each of {', '.join(HOST_PROFILED_OPERATIONS)} and the host "
+        "cost of their pieces (allocations, stream joins, a launch) without the profiler (rank 0)",
     )
     parser.add_argument(
         "--speculative-epilogue",
@@ -203,6 +204,47 @@ def host_profile(operation, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
+def host_primitive_costs(buffer, rows: int, hidden: int, num_topk: int, calls: int = 2000) -> dict[str, float]:
+    """Host µs per call (no profiler; median of 10 batches) of the pieces a cached dispatch and a
+    combine are made of: the output allocations, the stream joins (the runtime's event, and the
+    torch Event + wait it replaced), the per-call runtime check, and one kernel launch (the
+    runtime's barrier kernel: every rank makes the same calls)."""
+    device = torch.cuda.current_device()
+    runtime = buffer._runtime
+    comm = buffer.get_comm_stream().cuda_stream
+    compute = torch._C._cuda_getCurrentRawStream(device)
+    comm_stream = buffer.get_comm_stream()
+    compute_stream = torch.cuda.current_stream(device)
+
+    def torch_event_join() -> None:
+        event = torch.cuda.Event()
+        event.record(compute_stream)
+        comm_stream.wait_event(event)
+
+    pieces = {
+        "torch.empty recv_x bf16": lambda: torch.empty((rows, hidden), dtype=torch.bfloat16, device=device),
+        "torch.empty recv_x fp8": lambda: torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=device),
+        "torch.empty scales": lambda: torch.empty((rows, hidden // FP8_GROUP), dtype=torch.float32, device=device),
+        "torch.empty topk_idx": lambda: torch.empty((rows, num_topk), dtype=torch.int64, device=device),
+        "Runtime.join_streams": lambda: runtime.join_streams(comm, compute),
+        "torch Event + record + wait_event": torch_event_join,
+        "Runtime.begin_call": lambda: runtime.begin_call(0),
+        "kernel launch (Runtime.launch_barrier)": lambda: runtime.launch_barrier(compute),
+    }
+    costs = {}
+    for name, piece in pieces.items():
+        batches = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls // 10):
+                piece()
+            batches.append((time.perf_counter() - start) * 1e6 / (calls // 10))
+        costs[name] = statistics.median(batches)
+    torch.cuda.synchronize()
+    return costs
+
+
 def make_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand(num_tokens, num_experts, device="cuda", generator=generator)
@@ -310,6 +352,10 @@ def bench_tokens(
                 profile_text = host_profile(operations[name])
                 if rank == 0:
                     print(f"[bench_ht] host profile, {name}, T={num_tokens}:\n{profile_text}")
+            costs = host_primitive_costs(buffer, handle.num_recv_tokens, hidden, topk_idx.shape[1])
+            if rank == 0:
+                lines = "\n".join(f"  {cost:8.2f}  {name}" for name, cost in costs.items())
+                print(f"[bench_ht] host µs per call of the pieces, T={num_tokens}:\n{lines}")
 
     if config.get("baseline") and default_layout:
         group = buffer.group
