@@ -84,7 +84,7 @@ def _bad_inputs(rank, num_ranks, group):
         refuses(r"multiple of 128 for fp8.*H=200", lambda: dispatch((fp8, scales), topk_idx, num_experts=EXPERTS))
         fp8 = torch.zeros(TOKENS, HIDDEN, dtype=torch.float8_e4m3fn, device=device())
         refuses(
-            r"x\[1\] \(scales\) must be float32 \[128, 8\]",
+            r"x\[1\] \(scales\) must be float32 \[T, H/128\].*expected \[128, 8\], got float32 \[128, 1\]",
             lambda: dispatch((fp8, scales), topk_idx, num_experts=EXPERTS),
         )
         refuses(
