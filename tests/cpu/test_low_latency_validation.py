@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from buffer_settings import buffer_settings
 
 from deep_ep.low_latency import LowLatencyHandle, LowLatencyMixin
 
@@ -280,21 +281,7 @@ def test_query_refuses_a_status_tensor_of_another_dtype_or_size(status):
 def test_rank_masking_needs_a_low_latency_region():
     from deep_ep.buffer import ElasticBuffer
 
-    settings = dict(
-        num_bytes=None,
-        num_max_tokens_per_rank=64,
-        hidden=HIDDEN,
-        num_topk=LL_TOPK,
-        use_fp8_dispatch=False,
-        num_max_dispatch_tokens_per_rank=0,
-        num_experts=NUM_EXPERTS,
-        allow_hybrid_mode=True,
-        allow_multiple_reduction=True,
-        num_gpu_timeout_secs=None,
-        num_cpu_timeout_secs=None,
-        backend=None,
-        num_ranks_per_node=None,
-    )
+    settings = buffer_settings(hidden=HIDDEN, num_topk=LL_TOPK, num_experts=NUM_EXPERTS)
     with pytest.raises(ValueError, match="enable_rank_masking=True masks ranks in low-latency operations only"):
         ElasticBuffer._check_settings(**settings, enable_rank_masking=True)
     assert ElasticBuffer._check_settings(**settings)["enable_rank_masking"] is False

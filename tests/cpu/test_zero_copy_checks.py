@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from buffer_settings import buffer_settings
 
 from deep_ep.handle import EPHandle
 from deep_ep.high_throughput import HighThroughputMixin
@@ -50,21 +51,7 @@ def test_zero_copy_combine_refuses_hybrid_mode_expand_a_copy_handle_and_a_bad_hi
 def test_zero_copy_combine_is_a_setting_every_rank_must_agree_on():
     from deep_ep.buffer import ElasticBuffer
 
-    settings = dict(
-        num_bytes=None,
-        num_max_tokens_per_rank=64,
-        hidden=2048,
-        num_topk=8,
-        use_fp8_dispatch=False,
-        num_max_dispatch_tokens_per_rank=0,
-        num_experts=64,
-        allow_hybrid_mode=True,
-        allow_multiple_reduction=True,
-        num_gpu_timeout_secs=None,
-        num_cpu_timeout_secs=None,
-        backend=None,
-        num_ranks_per_node=None,
-    )
+    settings = buffer_settings()
     # Part of the settings dict the ranks compare (the window size depends on it).
     assert ElasticBuffer._check_settings(**settings)["zero_copy_combine"] is False
     assert ElasticBuffer._check_settings(**settings, zero_copy_combine=True)["zero_copy_combine"] is True
