@@ -72,7 +72,8 @@ case "${1:-}" in
     if build "$OUT/build_before.log"; then
       bash scripts/mps.sh start
       AB_SIDE=before "$@"
-      echo "ab_compare: before ($(cat "$SNAPSHOT/ref")): rc=$?"
+      before_rc=$?  # before the echo: a command substitution in it would reset $?
+      echo "ab_compare: before ($(cat "$SNAPSHOT/ref")): rc=$before_rc"
       bash scripts/mps.sh stop
     else
       status=1
