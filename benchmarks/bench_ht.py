@@ -211,10 +211,9 @@ def host_primitive_costs(buffer, rows: int, hidden: int, num_topk: int, calls: i
     runtime's barrier kernel: every rank makes the same calls)."""
     device = torch.cuda.current_device()
     runtime = buffer._runtime
-    comm = buffer.get_comm_stream().cuda_stream
-    compute = torch._C._cuda_getCurrentRawStream(device)
     comm_stream = buffer.get_comm_stream()
     compute_stream = torch.cuda.current_stream(device)
+    comm, compute = comm_stream.cuda_stream, compute_stream.cuda_stream
 
     def torch_event_join() -> None:
         event = torch.cuda.Event()

@@ -250,6 +250,19 @@ class HighThroughputMixin:
         ):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        return self._num_sms_estimate(num_experts, num_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+
+    def _num_sms_estimate(
+        self,
+        num_experts: int,
+        num_topk: int,
+        rdma_gbs: float = 0.0,
+        nvlink_gbs: float = 0.0,
+        sm_read_gbs: float = 200.0,
+        sm_write_gbs: float = 0.0,
+    ) -> int:
+        """get_theoretical_num_sms after its argument checks, cached per arguments: dispatch and
+        combine with num_sms=0 call it with the default rates on every call (host time)."""
         cache = self.__dict__.setdefault("_num_sms_estimates", {})
         key = (num_experts, num_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key not in cache:
@@ -1320,13 +1333,7 @@ class HighThroughputMixin:
         if not isinstance(num_sms, int) or num_sms < 0:
             raise ValueError(f"num_sms must be an int >= 0 (0 = estimate), got {num_sms!r}")
         if num_sms == 0:
-            # The estimate with default link rates, memoised per shape here: its own cache checks
-            # and keys its arguments, which costs host time on every call that passes num_sms=0.
-            estimates = self.__dict__.setdefault("_default_num_sms", {})
-            key = (num_experts, num_topk)
-            if key not in estimates:
-                estimates[key] = self.get_theoretical_num_sms(num_experts, num_topk)
-            return estimates[key]
+            return self._num_sms_estimate(num_experts, num_topk)  # the default rates need no checks
         if num_sms > self._max_ht_num_sms:
             raise ValueError(
                 f"num_sms={num_sms} exceeds this rank's SM cap for HT kernels, {self._max_ht_num_sms} (all device "
