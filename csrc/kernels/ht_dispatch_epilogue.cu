@@ -45,6 +45,63 @@ __device__ void zero_row(const EpilogueArgs& args, int64_t row, int64_t row_byte
   if (lane == 0 && args.recv_topk_weights != nullptr) args.recv_topk_weights[row] = 0.0f;
 }
 
+// Zero-copy receive (direct, non-expand): payload and scales are in final position already; only the
+// per-row metadata is written, one thread per row. (A warp per row, as below, kept only kRowsAhead
+// rows' metadata loads in flight per warp: 82-85 us at 8 ranks on one H200, bound by load latency;
+// here each lane's row loads are in flight at once.) Same values as the warp path: local expert
+// ids, weights, and the source info with combine row = distinct destination ranks of the token
+// below this rank (direct mode: every rank is in scope) and master lane = first local top-k entry.
+static_assert(kSrcInfoSourceRank == 0 && kSrcInfoSourceToken == 1 && kSrcInfoCombineRow == 2 &&
+                  kSrcInfoMasterLane == 3 && kSrcInfoColumns == 4,
+              "zero_copy_metadata stores a row's source info as one int4 in this order");
+
+__device__ void zero_copy_metadata(const EpilogueArgs& args, const int32_t* psum_per_source, int64_t num_rows) {
+  const DeviceView& view = args.view;
+  const HtCall& call = args.call;
+  const int num_topk = call.num_topk;
+  const int num_local = call.num_local_experts();
+  const int first_local_expert = view.rank * num_local;
+  const TokenLayout& token = call.dispatch_token();
+  const int64_t num_threads = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t row = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; row < num_rows; row += num_threads) {
+    const int source = source_of_row(psum_per_source, view.num_ranks, row);
+    const int64_t slot_index = row - (source > 0 ? psum_per_source[source - 1] : 0);
+    const uint8_t* slot = view.local<uint8_t>(call.dispatch_meta_slot(source, slot_index));
+    const auto* experts = reinterpret_cast<const int32_t*>(slot + token.topk_idx_offset);
+    const auto* weights = reinterpret_cast<const float*>(slot + token.weights_offset);
+    const int32_t source_token = __ldg(reinterpret_cast<const int32_t*>(slot + token.src_offset));
+    const bool writes_row = row < args.num_rows_allocated;
+    int combine_row = 0;
+    int master_lane = -1;
+    for (int k = 0; k < num_topk; ++k) {
+      const int expert = __ldg(experts + k);
+      const int local =
+          expert >= first_local_expert && expert < first_local_expert + num_local ? expert - first_local_expert : -1;
+      if (local >= 0 && master_lane < 0) master_lane = k;
+      const int expert_rank = expert >= 0 ? expert / num_local : -1;
+      if (expert_rank >= 0 && expert_rank < view.rank) {
+        // Counted at its first entry only (the slot's ids were just loaded: L1 hits).
+        bool first = true;
+        for (int j = 0; j < k; ++j) {
+          const int earlier = __ldg(experts + j);
+          first = first && !(earlier >= 0 && earlier / num_local == expert_rank);
+        }
+        combine_row += first ? 1 : 0;
+      }
+      if (writes_row) {
+        args.recv_topk_idx[row * num_topk + k] = local;
+        if (args.recv_topk_weights != nullptr) {
+          args.recv_topk_weights[row * num_topk + k] = args.has_weights ? __ldg(weights + k) : 0.0f;
+        }
+      }
+    }
+    if (args.recv_src_info != nullptr && row < args.num_meta_rows_allocated) {
+      *reinterpret_cast<int4*>(args.recv_src_info + row * kSrcInfoColumns) =
+          make_int4(source, source_token, combine_row, master_lane);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const EpilogueArgs args) {
   __shared__ int32_t psum_shared[kMaxRanks];
   const DeviceView& view = args.view;
@@ -68,6 +125,10 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   // direct, every rank (the home rank sums); hybrid, this node's ranks (the forwarder sums).
   const int scope_first = call.hybrid() ? call.node_of(view.rank) * call.ranks_per_node() : 0;
   const int64_t num_rows = psum_shared[num_ranks - 1];
+  if (call.zero_copy_recv) {
+    zero_copy_metadata(args, psum_shared, num_rows);
+    return;
+  }
   const int64_t first_warp = int64_t{blockIdx.x} * kEpilogueWarps + threadIdx.x / 32;
   const int64_t num_warps = int64_t{gridDim.x} * kEpilogueWarps;
   auto* recv_x = static_cast<uint8_t*>(args.recv_x);
@@ -86,9 +147,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     if (row >= num_rows) return meta;
     meta.source = source_of_row(psum_shared, num_ranks, row);
     const int64_t slot_index = row - (meta.source > 0 ? psum_shared[meta.source - 1] : 0);
-    // Zero-copy receive: only the metadata fields of this base are the row's (payload and scales
-    // are in final position already).
-    meta.slot = view.local<uint8_t>(call.dispatch_meta_slot(meta.source, slot_index));
+    meta.slot = view.local<uint8_t>(call.dispatch_slot(meta.source, slot_index));
     if (lane < num_topk) {
       meta.expert = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.topk_idx_offset) + lane);
       meta.expert_slot = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.expert_slot_offset) + lane);
@@ -100,8 +159,7 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   };
 
   // The metadata loads of the warp's next kRowsAhead rows are issued before this row is written, so
-  // each warp keeps that many rows' loads in flight (with zero-copy receive the epilogue is only
-  // this metadata, and latency-bound).
+  // each warp keeps that many rows' loads in flight.
   RowMeta ahead[kRowsAhead];
 #pragma unroll
   for (int i = 0; i < kRowsAhead; ++i) ahead[i] = load_meta(first_warp + i * num_warps);
@@ -128,15 +186,13 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
     const bool has_meta_row = row < args.num_meta_rows_allocated;
 
     if (!args.do_expand) {
-      if (row < args.num_rows_allocated && !call.zero_copy_recv) {
+      if (row < args.num_rows_allocated) {
         warp_copy_to_lanes<kCopyUnroll>(reinterpret_cast<const int4*>(slot), num_vectors, 1u,
                                         reinterpret_cast<int4*>(recv_x + row * row_bytes));
         if (num_scales > 0) {
           warp_copy_words_to_lanes(reinterpret_cast<const float*>(slot + token.scale_offset), num_scales, 1u,
                                    args.recv_x_scales + row * num_scales);
         }
-      }
-      if (row < args.num_rows_allocated) {
         if (lane < num_topk) {
           args.recv_topk_idx[row * num_topk + lane] = local;
           if (args.recv_topk_weights != nullptr) args.recv_topk_weights[row * num_topk + lane] = weight;
@@ -191,6 +247,9 @@ void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   EP_REQUIRE(!(args.call.zero_copy_recv && args.do_expand),
              "zero-copy receive has non-expand rows only (expanded rows are placed by the epilogue)");
+  EP_REQUIRE(!args.call.zero_copy_recv || reinterpret_cast<uintptr_t>(args.recv_src_info) % 16 == 0,
+             "zero-copy receive stores each recv_src_info row as one 16-byte vector: the array must be 16-byte "
+             "aligned");
   epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
 }
