@@ -94,20 +94,33 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
   }
 }
 
-// Exclusive scan over blocks, in place, one column per warp; totals go to row num_blocks.
+// Exclusive scan over blocks, in place, one column per warp; totals go to row num_blocks. The loads
+// of up to kScanRounds rounds of 32 blocks are issued before the first is scanned: one round's load
+// after the other was an L2 round trip each, in series (4 per column at T = 4096).
+constexpr int kScanRounds = 8;
+
 __device__ void scan_columns(const NotifyArgs& args, int num_blocks, int num_columns) {
   const int lane = lane_id();
   const int warp = static_cast<int>(blockIdx.x * kNotifyWarps + threadIdx.x / 32);
   for (int column = warp; column < num_columns; column += gridDim.x * kNotifyWarps) {
     int running = 0;
-    for (int first = 0; first < num_blocks; first += 32) {
-      const int block = first + lane;
-      int32_t* cell = args.scratch + int64_t{block} * num_columns + column;
-      // Written by other CTAs before the grid sync: read through L2.
-      const int value = block < num_blocks ? __ldcg(cell) : 0;
-      const int inclusive = warp_inclusive_sum(value);
-      if (block < num_blocks) *cell = running + inclusive - value;
-      running += __shfl_sync(kFullMask, inclusive, 31);
+    for (int first = 0; first < num_blocks; first += 32 * kScanRounds) {
+      int values[kScanRounds];
+#pragma unroll
+      for (int round = 0; round < kScanRounds; ++round) {
+        const int block = first + round * 32 + lane;
+        // Written by other CTAs before the grid sync: read through L2.
+        values[round] = block < num_blocks ? __ldcg(args.scratch + int64_t{block} * num_columns + column) : 0;
+      }
+#pragma unroll
+      for (int round = 0; round < kScanRounds; ++round) {
+        if (first + round * 32 >= num_blocks) break;  // warp-uniform
+        const int block = first + round * 32 + lane;
+        const int inclusive = warp_inclusive_sum(values[round]);
+        if (block < num_blocks)
+          args.scratch[int64_t{block} * num_columns + column] = running + inclusive - values[round];
+        running += __shfl_sync(kFullMask, inclusive, 31);
+      }
     }
     if (lane == 0) args.scratch[int64_t{num_blocks} * num_columns + column] = running;
   }
@@ -119,19 +132,44 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
   const int64_t num_entries = int64_t{args.num_tokens} * num_topk;
-  for (int64_t entry = first_thread; entry < num_entries; entry += num_threads) {
-    // The handle keeps its own routing (the caller may reuse topk_idx), copied here rather than by
-    // a separate launch on the host path, and sanitised: every later kernel (dispatch, cached
-    // dispatch, combine) reads this copy, so all agree that a bad or repeated entry is -1.
-    const int expert =
-        routed_expert(args.topk_idx, num_topk, entry / num_topk, static_cast<int>(entry % num_topk), num_experts);
-    args.topk_idx_copy[entry] = expert;
-    if (expert < 0) continue;
-    const int64_t block = entry / num_topk / kNotifyTokensPerBlock;
-    const int32_t* bases = args.scratch + block * num_columns;
-    args.expert_slot[entry] = __ldcg(args.expert_slot + entry) + __ldcg(bases + expert);
-    const int32_t slot = __ldcg(args.dst_slot + entry);
-    if (slot >= 0) args.dst_slot[entry] = slot + __ldcg(bases + num_experts + expert / num_local);
+  // kBaseEntries entries per thread at a time, every load of the batch issued before its first
+  // store (entry by entry, each one's loads waited for the previous one's stores: several L2 round
+  // trips in series per entry, ~18 entries per thread at 8 ranks of 8 SMs).
+  constexpr int kBaseEntries = 4;
+  for (int64_t first = first_thread; first < num_entries; first += num_threads * kBaseEntries) {
+    int expert[kBaseEntries];
+    int32_t expert_slot[kBaseEntries];
+    int32_t dst_slot[kBaseEntries];
+#pragma unroll
+    for (int b = 0; b < kBaseEntries; ++b) {
+      const int64_t entry = first + b * num_threads;
+      expert[b] = -1;
+      if (entry >= num_entries) continue;
+      // The handle keeps its own routing (the caller may reuse topk_idx), copied here rather than by
+      // a separate launch on the host path, and sanitised: every later kernel (dispatch, cached
+      // dispatch, combine) reads this copy, so all agree that a bad or repeated entry is -1.
+      expert[b] =
+          routed_expert(args.topk_idx, num_topk, entry / num_topk, static_cast<int>(entry % num_topk), num_experts);
+      expert_slot[b] = __ldcg(args.expert_slot + entry);
+      dst_slot[b] = __ldcg(args.dst_slot + entry);
+    }
+#pragma unroll
+    for (int b = 0; b < kBaseEntries; ++b) {
+      const int64_t entry = first + b * num_threads;
+      if (expert[b] < 0) continue;
+      const int32_t* bases = args.scratch + entry / num_topk / kNotifyTokensPerBlock * num_columns;
+      expert_slot[b] += __ldcg(bases + expert[b]);
+      if (dst_slot[b] >= 0) dst_slot[b] += __ldcg(bases + num_experts + expert[b] / num_local);
+    }
+#pragma unroll
+    for (int b = 0; b < kBaseEntries; ++b) {
+      const int64_t entry = first + b * num_threads;
+      if (entry >= num_entries) continue;
+      args.topk_idx_copy[entry] = expert[b];
+      if (expert[b] < 0) continue;
+      args.expert_slot[entry] = expert_slot[b];
+      if (dst_slot[b] >= 0) args.dst_slot[entry] = dst_slot[b];
+    }
   }
   if (!call.hybrid()) return;
   const int num_nodes = call.num_nodes();
@@ -250,6 +288,22 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
   return failed == 0;
 }
 
+// CTA 0: waits for this rank's "value + 1" cell from a peer (0 = not arrived), returns the value and
+// clears the cell (workspace invariant). Acquire: what the peer stored before releasing the cell
+// (its expert count cells) is visible after it. Returns false on a timeout (recorded).
+__device__ bool take_count_cell(const DeviceView& view, Phase phase, int peer, int64_t offset, int32_t& value) {
+  int32_t* cell = view.local<int32_t>(offset + 4 * int64_t{peer});
+  const bool arrived = wait_until(view, Operation::kHtNotify, phase, peer, 1, [&](int64_t& seen) {
+    value = ptx::ld_acquire_sys(cell);
+    seen = value;
+    return value != 0;
+  });
+  if (!arrived) return false;
+  value -= 1;
+  ptx::st_relaxed_sys(cell, 0);
+  return true;
+}
+
 // CTA 0, zero-copy receive, once every source's count has arrived: each source learns where its
 // rows start among this rank's final rows (the rows of all lower sources), so its dispatch kernel
 // writes them in final position. Cells hold "row + 1" (0 = not arrived) and are cleared on read:
@@ -268,19 +322,12 @@ __device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int dest = threadIdx.x; dest < num_ranks; dest += blockDim.x) {
-    int32_t* cell = view.local<int32_t>(WorkspaceLayout::send_base_offset + 4 * int64_t{dest});
     int32_t value = 0;
-    const bool arrived = wait_until(view, Operation::kHtNotify, Phase::kSendBaseArrive, dest, 1, [&](int64_t& seen) {
-      value = ptx::ld_relaxed_sys(cell);
-      seen = value;
-      return value != 0;
-    });
-    if (!arrived) {
+    if (take_count_cell(view, Phase::kSendBaseArrive, dest, WorkspaceLayout::send_base_offset, value)) {
+      args.send_base[dest] = value;
+    } else {
       failed = 1;
-      continue;
     }
-    args.send_base[dest] = value - 1;
-    ptx::st_relaxed_sys(cell, 0);
   }
   __syncthreads();
   return failed == 0;
@@ -334,21 +381,13 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
   if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, num_blocks)) return false;
 
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-    int32_t* cell = view.local<int32_t>(WorkspaceLayout::rank_counts_offset + 4 * int64_t{source});
-    int32_t value = 0;
-    const bool arrived = wait_until(view, Operation::kHtNotify, Phase::kCountsArrive, source, 1, [&](int64_t& seen) {
-      value = ptx::ld_acquire_sys(cell);
-      seen = value;
-      return value != 0;
-    });
-    if (!arrived) {
+    // The cell is cleared on read; the source writes it again only in its next notify, after this
+    // operation's dispatch exit barrier.
+    if (!take_count_cell(view, Phase::kCountsArrive, source, WorkspaceLayout::rank_counts_offset,
+                         recv_per_source[source])) {
       failed = 1;
       continue;
     }
-    recv_per_source[source] = value - 1;
-    // Back to zero (workspace invariant); the source writes it again only in its next notify, after
-    // this operation's dispatch exit barrier.
-    ptx::st_relaxed_sys(cell, 0);
     if (!call.hybrid()) collect_input_failed(view, Operation::kHtNotify, source);
   }
   __syncthreads();

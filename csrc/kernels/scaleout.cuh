@@ -142,9 +142,7 @@ class Transport {
       if (view_.scaleout.kind == ScaleoutKind::kGin) {
         gin::signal(view_, peer, id, add);
       } else {
-        // Cumulative release: the group's stores, ordered before this thread by the named barrier.
-        ptx::fence_acq_rel_sys();
-        ptx::red_add_release_sys(signal_cell(view_, peer, id), add);
+        release_signal(peer, id, add);
       }
     }
     group.sync();  // the queue may be appended to again
@@ -172,9 +170,7 @@ class Transport {
     } else {
       for (int i = group.thread; i < count; i += group.num_threads) {
         const SignalItem signal = item(i);
-        if (signal.peer < 0) continue;
-        ptx::fence_acq_rel_sys();
-        ptx::red_add_release_sys(signal_cell(view_, signal.peer, signal.id), signal.add);
+        if (signal.peer >= 0) release_signal(signal.peer, signal.id, signal.add);
       }
     }
     group.sync();  // the queue may be appended to again
@@ -194,6 +190,13 @@ class Transport {
   __device__ uint64_t read_signal(int id) const { return read_own_signal(view_, id); }
 
  private:
+  // lsa / lsa-deferred, one thread: a cumulative release of the group's stores, which the caller's
+  // group barrier ordered before this thread, then the signal add.
+  __device__ void release_signal(int peer, int id, uint64_t add) const {
+    ptx::fence_acq_rel_sys();
+    ptx::red_add_release_sys(signal_cell(view_, peer, id), add);
+  }
+
   // lsa-deferred: copy the pending puts to `peer` (-1: to every peer), then forget them.
   __device__ void copy_pending(const WarpGroup& group, int peer) {
     const int count = min(queue_->count, kMaxPendingPuts);
