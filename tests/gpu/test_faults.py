@@ -316,7 +316,8 @@ def _duplicate_ids(rank, num_ranks, group):
 
         x, topk_idx, weights = _inputs(rank, num_experts, num_tokens=LL_TOKENS, seed=9)
         if rank == 0:
-            topk_idx[1] = torch.tensor([5, 7, 5, 5], device=topk_idx.device)
+            # Ids valid at every rank count (E = 4 with one rank), so the repeat is the only fault.
+            topk_idx[1] = torch.tensor([1, 2, 1, 1], device=topk_idx.device)
         combined = _ll_round_trip(buffer, x, topk_idx, weights)
         results["ll_check"] = _outcome(buffer.check_errors)
         keep = _first_occurrence(topk_idx)
