@@ -457,10 +457,15 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
             ranks = [i for i, item in enumerate(per_rank) if tuple(item["gpu"]) == gpu]
             moved = sum((num_tokens + entries[i]["num_recv_tokens"]) * per_token for i in ranks)
             floor_us = max(floor_us, moved / (bandwidth[gpu] * 1e9) * 1e6)
+        # Max over ranks: what bounds the operation. Min over ranks: a kernel that waits for its
+        # peers (notify's count exchange, a barrier) runs shortest on the last rank to arrive, so
+        # the min is close to its own cost without the ranks' launch skew.
         kernels: dict[str, float] = {}
+        kernels_min: dict[str, float] = {}
         for entry in entries:
             for kernel, value in entry["kernels_us"].items():
                 kernels[kernel] = max(kernels.get(kernel, 0.0), value)
+                kernels_min[kernel] = min(kernels_min.get(kernel, value), value)
         rows.append(
             {
                 "num_tokens": num_tokens,
@@ -477,6 +482,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 "requested_num_sms": requested,
                 "num_sms": entries[0]["num_sms"],
                 "kernels_us_max_over_ranks": kernels,
+                "kernels_us_min_over_ranks": kernels_min,
                 "mode": entries[0].get("mode", "direct"),
                 "num_ranks_per_node": num_ranks_per_node,
             }

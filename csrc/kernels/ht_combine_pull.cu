@@ -25,7 +25,10 @@ namespace {
 constexpr int kPullThreads = 512;
 constexpr int kPullWarps = kPullThreads / 32;
 // Vectors per lane per row in flight (with kSumTermsInFlight rows: 8 x 16 B per lane). Measured at 8
-// ranks on one H200: 3 was slower (1,328 against 1,245 us), 4 spills at 128 registers.
+// ranks on one H200: 3 was slower (1,328 against 1,245 us), 4 spills at 128 registers. Loading the
+// rows into shared memory by cp.async instead (3 stages of 8 rows x 32 vectors per warp, so that
+// registers do not bound what is in flight) gave 1,289 against 1,306 us in one run: what a warp
+// keeps in flight is not what bounds this kernel there, so the simpler register form stays.
 constexpr int kSumUnroll = 2;
 
 __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const PullCombineArgs args) {
