@@ -10,8 +10,10 @@
 #       on the GPU machine (no git needed): builds the REF side (the working tree with ab_before/
 #       swapped in and the added files moved aside), runs COMMAND with $AB_SIDE=before, restores the
 #       working tree, builds it, runs COMMAND with $AB_SIDE=after. COMMAND typically writes under
-#       "$OUT/$AB_SIDE". MPS is started around each side (scripts/mps.sh). Exit status: 1 if a build
-#       fails, else COMMAND's status on the after side.
+#       "$OUT/{side}" ({side} in an argument becomes before / after; use it, not $AB_SIDE, inside
+#       EP_GPU_CHECK_COMMANDS, whose bash -c would expand $AB_SIDE too early). MPS is started
+#       around each side (scripts/mps.sh). Exit status: 1 if a build fails, else COMMAND's status
+#       on the after side.
 #   bash scripts/ab_compare.sh clean
 #       removes ab_before/ (never commit it).
 #
@@ -28,6 +30,17 @@ build() {
     echo "ab_compare: build failed ($1)"
     return 1
   }
+}
+
+# COMMAND with every "{side}" in its arguments replaced by the side, and $AB_SIDE set. The
+# placeholder survives where $AB_SIDE would not: gpu_check.sh runs its EP_GPU_CHECK_COMMANDS through
+# `bash -c`, which expands "$AB_SIDE" (still unset) before this script starts.
+run_side() {
+  local side=$1 argument
+  shift
+  local command=()
+  for argument in "$@"; do command+=("${argument//\{side\}/$side}"); done
+  AB_SIDE=$side "${command[@]}"
 }
 
 case "${1:-}" in
@@ -71,7 +84,7 @@ case "${1:-}" in
     status=0
     if build "$OUT/build_before.log"; then
       bash scripts/mps.sh start
-      AB_SIDE=before "$@"
+      run_side before "$@"
       before_rc=$?  # before the echo: a command substitution in it would reset $?
       echo "ab_compare: before ($(cat "$SNAPSHOT/ref")): rc=$before_rc"
       bash scripts/mps.sh stop
@@ -90,7 +103,7 @@ case "${1:-}" in
     [[ $status == 0 ]] || exit 1
     build "$OUT/build_after.log" || exit 1
     bash scripts/mps.sh start
-    AB_SIDE=after "$@"
+    run_side after "$@"
     status=$?
     echo "ab_compare: after (working tree): rc=$status"
     bash scripts/mps.sh stop
