@@ -2,6 +2,7 @@
 // touching the GPU: a grid that cannot stay resident deadlocks in its grid syncs. Runs without one.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -93,6 +94,18 @@ TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
   epilogue.expert_alignment = 0;
   const std::string later = refusal([&] { ht::launch_dispatch_epilogue(epilogue, nullptr); });
   EXPECT_NE(later.find("expert_alignment"), std::string::npos) << later;
+}
+
+// Zero-copy receive: the epilogue stores each recv_src_info row as one 16-byte vector, so the
+// launcher refuses an array that is not 16-byte aligned (before touching the GPU).
+TEST(EpilogueCheck, ZeroCopyNeedsSixteenByteAlignedSourceInfo) {
+  ht::EpilogueArgs epilogue;
+  epilogue.view = view_with_cap(4);
+  epilogue.call = make_ht_call(Topology{2, 2}, 0, 1, 8, 2, 8, false, /*zero_copy_recv=*/true);
+  epilogue.num_ctas = 1;
+  epilogue.recv_src_info = reinterpret_cast<int32_t*>(uintptr_t{4096 + 4});
+  const std::string message = refusal([&] { ht::launch_dispatch_epilogue(epilogue, nullptr); });
+  EXPECT_NE(message.find("16-byte aligned"), std::string::npos) << message;
 }
 
 // LL across nodes: an fp8 row's H/128 fp32 scales travel in 16-byte puts, so H must be a multiple
