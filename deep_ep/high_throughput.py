@@ -47,6 +47,8 @@ SHARED_GPU_GBS = 2000.0
 # SM falls as SMs are added, and 90 % of the best measured bandwidth needed ~32 SMs where
 # DeepEP's 50 GB/s/SM model gives 20. Calibrated so the estimate lands there.
 DIRECT_SM_WRITE_GBS = 31.0
+# The estimate's default read rate of one SM (get_theoretical_num_sms, sm_read_gbs).
+SM_READ_GBS = 200.0
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -228,7 +230,7 @@ class HighThroughputMixin:
         num_scaleout_topk: int = 0,
         rdma_gbs: float = 0.0,
         nvlink_gbs: float = 0.0,
-        sm_read_gbs: float = 200.0,
+        sm_read_gbs: float = SM_READ_GBS,
         sm_write_gbs: float = 0.0,
     ) -> int:
         """Fewest SMs that keep the bottleneck link saturated for HT (deep_ep.plan.estimates) on this
@@ -258,7 +260,7 @@ class HighThroughputMixin:
         num_topk: int,
         rdma_gbs: float = 0.0,
         nvlink_gbs: float = 0.0,
-        sm_read_gbs: float = 200.0,
+        sm_read_gbs: float = SM_READ_GBS,
         sm_write_gbs: float = 0.0,
     ) -> int:
         """get_theoretical_num_sms after its argument checks, cached per arguments: dispatch and
@@ -277,7 +279,7 @@ class HighThroughputMixin:
                 num_scaleout,
                 nvlink_gbs=nvlink_gbs or (SHARED_GPU_GBS if shares_gpu else NVLINK_GBS),
                 rdma_gbs=rdma_gbs,
-                sm_read_gbs=sm_read_gbs or 200.0,
+                sm_read_gbs=sm_read_gbs or SM_READ_GBS,
                 sm_write_gbs=sm_write_gbs or DIRECT_SM_WRITE_GBS,
                 prefer_overlap_with_compute=getattr(self, "prefer_overlap_with_compute", True),
                 device_sms=self._max_ht_num_sms,
