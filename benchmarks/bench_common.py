@@ -106,3 +106,64 @@ def kernel_times_us(
     except Exception as error:  # noqa: BLE001 - profiling is optional
         print(f"[bench] kernel profiling failed: {error}", file=sys.stderr)
         return {}
+
+
+def phase_times_us(buffer: Any, operation: Callable[[], None], runs: int = 9) -> dict[str, dict[str, Any]]:
+    """Where each clocked kernel of ``operation`` spends its time (the buffer needs EP_PHASE_CLOCK=1;
+    deep_ep.phase_clock): per kernel, the median over ``runs`` of each phase's time after the
+    kernel's first CTA entry (µs; the last CTA to reach it), and each run's entry on the GPU clock
+    (``start_ns``) so that ranks sharing a GPU can be compared (``phase_start_skew_us``: the hosts'
+    launch skew, including how long each took to read and summarise the previous run's stamps).
+
+    Each run starts after a device barrier, as a timed run does. (A host-synchronised barrier per
+    run made it worse: the hosts then left the synchronisation milliseconds apart under MPS.)"""
+    from deep_ep import phase_clock
+
+    buffer.barrier(with_cpu_sync=True)
+    phase_clock.read(buffer)
+    samples: list[dict[str, Any]] = []
+    for _ in range(runs):
+        buffer.barrier()
+        operation()
+        torch.cuda.synchronize()
+        samples.append(phase_clock.read(buffer))
+    result: dict[str, dict[str, Any]] = {}
+    for kernel in {name for sample in samples for name in sample}:
+        seen = [sample[kernel] for sample in samples if kernel in sample]
+        stamps: dict[str, float] = {}
+        for name in seen[0]:
+            values = [phases[name] for phases in seen if phases.get(name) is not None]
+            if name != "start_ns" and values:
+                stamps[name] = statistics.median(values)
+        result[kernel] = {"stamps_us": stamps, "start_ns": [phases["start_ns"] for phases in seen]}
+    return result
+
+
+def phase_summary(entries: list[dict[str, Any]], same_clock: bool) -> dict[str, Any]:
+    """Per kernel, over ranks: each phase's largest median, and (ranks on one GPU, one clock) the
+    median over runs of how far after the first rank's entry the last rank's kernel started."""
+    summary: dict[str, Any] = {}
+    for kernel in sorted({name for entry in entries for name in entry}):
+        ranks = [entry[kernel] for entry in entries if kernel in entry]
+        stamps: dict[str, float] = {}
+        for rank in ranks:
+            for name, value in rank["stamps_us"].items():
+                stamps[name] = max(stamps.get(name, value), value)
+        item: dict[str, Any] = {"stamps_us_max_over_ranks": stamps}
+        runs = min(len(rank["start_ns"]) for rank in ranks)
+        if same_clock and len(ranks) > 1 and runs > 0:
+            skews = [
+                (max(rank["start_ns"][i] for rank in ranks) - min(rank["start_ns"][i] for rank in ranks)) / 1e3
+                for i in range(runs)
+            ]
+            item["start_skew_us"] = statistics.median(skews)
+        summary[kernel] = item
+    return summary
+
+
+def print_phases(label: str, phases: dict[str, Any]) -> None:
+    """One line per kernel: its ranks' start skew and each phase's time after the kernel's entry."""
+    for kernel, item in phases.items():
+        skew = f" skew={item['start_skew_us']:.1f}" if "start_skew_us" in item else ""
+        stamps = " ".join(f"{name}={value:.1f}" for name, value in item["stamps_us_max_over_ranks"].items())
+        print(f"  {label} {kernel}:{skew} {stamps}")

@@ -22,6 +22,11 @@ default buffer). Hybrid rows also carry the scale-out copies per token: measured
 (``handle.stats['scaleout_copies']`` of the dispatch / the rank's tokens; None, printed 'n/a', when
 the handle has no such stat) and planned (``deep_ep.plan.cross_node_copies(...)['per_node']`` of the
 same routing).
+
+With --phases the buffers are built with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock)
+and every row also carries ``phases``: per clocked kernel (notify, dispatch), each phase's time
+after the kernel's first CTA entry (median of 9 runs, largest over ranks) and, for ranks sharing a
+GPU, ``start_skew_us`` (how long after the first rank's kernel the last rank's started).
 """
 
 from __future__ import annotations
@@ -35,7 +40,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from a2a_baseline import a2a_combine, a2a_dispatch
-from bench_common import copy_bandwidth_gbs, kernel_times_us, run_ranks, save_summary
+from bench_common import (
+    copy_bandwidth_gbs,
+    kernel_times_us,
+    phase_summary,
+    phase_times_us,
+    print_phases,
+    run_ranks,
+    save_summary,
+)
 
 import deep_ep
 from deep_ep.plan import cross_node_copies
@@ -94,6 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--speculative-epilogue",
         action="store_true",
         help="also time the uncached dispatches with the speculative epilogue (EP_HT_SPECULATIVE_EPILOGUE)",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each kernel's phases with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock)",
     )
     parser.add_argument(
         "--zero-copy",
@@ -287,6 +305,7 @@ def bench_tokens(
                 "requested_num_sms": requested_sms,
                 "num_sms": num_sms,
                 "kernels_us": kernel_times_us(buffer, operation, KERNELS),
+                "phases": phase_times_us(buffer, operation) if config.get("phases") else {},
                 "mode": mode,
                 "num_ranks_per_node": num_ranks_per_node,
                 **(extra or {}),
@@ -386,6 +405,8 @@ def bench_rank(rank: int, num_ranks: int, group, config: dict[str, Any]) -> dict
     bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
     dist.barrier(group=group)
 
+    if config.get("phases"):
+        os.environ["EP_PHASE_CLOCK"] = "1"  # before the buffers are built (deep_ep.phase_clock)
     results = []
     for num_ranks_per_node in buffer_layouts(num_ranks, config.get("num_ranks_per_node", [])):
         layout = {} if num_ranks_per_node is None else {"num_ranks_per_node": num_ranks_per_node}
@@ -487,6 +508,8 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 "num_ranks_per_node": num_ranks_per_node,
             }
         )
+        if config.get("phases"):
+            rows[-1]["phases"] = phase_summary([entry["phases"] for entry in entries], len(gpus) == 1)
         if rows[-1]["mode"] == "hybrid":
             rows[-1].update(scaleout_summary(entries))
     if config.get("baseline"):
@@ -662,6 +685,9 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
             f"{row.get('host_us_max_over_ranks', 0.0):>8.0f}{copies}  {kernels}"
         )
     for row in summary["rows"]:
+        if row.get("phases"):
+            print_phases(f"T={row['num_tokens']} {row['operation']}{layout_label(row)}", row["phases"])
+    for row in summary["rows"]:
         if "speedup_vs_baseline" in row:
             print(
                 f"{row['num_tokens']:>6} {row['operation']:<{width}} {row['speedup_vs_baseline']:.2f}x the baseline"
@@ -695,6 +721,8 @@ def main(argv: list[str] | None = None) -> None:
         config["speculative_epilogue"] = True
     if args.zero_copy:
         config["zero_copy"] = True
+    if args.phases:
+        config["phases"] = True
     try:
         ranks_per_node = parse_ranks_per_node(args.num_ranks_per_node)
         if ranks_per_node:

@@ -25,6 +25,11 @@ copy bandwidth (read + write) measured in the same run, plus one barrier. floor_
 floor / measured time. Kernel times: device time of each send and receive kernel of an eager
 dispatch + combine pair (torch.profiler, median of a few runs, slowest rank). Writes
 DIR/bench_ll.json and DIR/bench_ll.png.
+
+With --phases the buffers are built with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock):
+per row, for a graph-replayed dispatch + combine pair and for the last pair of the rotating chain,
+each LL kernel's phase times after its first CTA entry (median of 9 runs, largest over ranks) and,
+for ranks sharing a GPU, how long after the first rank's kernel the last rank's started.
 """
 
 from __future__ import annotations
@@ -37,7 +42,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import copy_bandwidth_gbs, kernel_times_us, run_ranks, save_summary, timed_after_barrier
+from bench_common import (
+    copy_bandwidth_gbs,
+    kernel_times_us,
+    phase_summary,
+    phase_times_us,
+    print_phases,
+    run_ranks,
+    save_summary,
+    timed_after_barrier,
+)
 
 import deep_ep
 from deep_ep import _C
@@ -74,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="S > 0: the ranks as virtual nodes of S ranks whose LL traffic between nodes goes over the scale-out "
         "transport (EP_LL_SCALEOUT=1; EP_SCALEOUT_TRANSPORT picks lsa or lsa-deferred); 0: one node (load/store)",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each LL kernel's phases with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock): "
+        "a graph-replayed pair and the last pair of the rotating chain",
     )
     return parser.parse_args(argv)
 
@@ -189,9 +209,15 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         iters,
     )
     trip.dispatch()
-    graph = timed_phases(buffer, list(trip.capture()), warmup, iters)
+    dispatch_replay, combine_replay = trip.capture()
+    graph = timed_phases(buffer, [dispatch_replay, combine_replay], warmup, iters)
+    phases = {}
+    if config.get("phases"):
+        phases["graph"] = phase_times_us(buffer, lambda: (dispatch_replay(), combine_replay()))
     trip.dispatch()
     rotating = trip.capture_layers(LAYERS)
+    if config.get("phases"):
+        phases["chain"] = phase_times_us(buffer, rotating)  # the stamps of the chain's last pair
     trip.dispatch()
     reusing = trip.capture_layers(1)
     layers = {
@@ -214,6 +240,7 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "times_us": times,
         "layer_pair_us": layers,
         "kernels_us": kernels,
+        "phases": phases,
     }
 
 
@@ -228,6 +255,8 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
     bandwidth = copy_bandwidth_gbs() if first_on_gpu else None
     dist.barrier(group=group)
     results, barriers, sm_cap = [], [], 0
+    if config.get("phases"):
+        os.environ["EP_PHASE_CLOCK"] = "1"  # before the buffers are built (deep_ep.phase_clock)
     nodes = {}
     if config.get("num_ranks_per_node"):
         os.environ["EP_LL_SCALEOUT"] = "1"  # every rank sets it before its buffers read it
@@ -320,6 +349,17 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                         "kernels_us_max_over_ranks": kernels,
                     }
                 )
+                if config.get("phases"):
+                    rows[-1]["phases"] = {
+                        mode: {
+                            kernel: item
+                            for kernel, item in phase_summary(
+                                [e["phases"][mode] for e in entries], len(gpus) == 1
+                            ).items()
+                            if kernel.startswith(f"ll_{operation}")
+                        }
+                        for mode in entries[0]["phases"]
+                    }
     return {
         "config": config,
         "num_ranks": len(per_rank),
@@ -394,6 +434,9 @@ def write_outputs(summary: dict[str, Any], out_dir: str) -> None:
             f"{t['graph']:>7.1f} {t['send']:>7.1f} {t['recv']:>7.1f} {row['gbs_per_rank_graph']:>7.1f} "
             f"{row['floor_fraction_graph']:>6.2f}{chain}  {kernels}"
         )
+    for row in summary["rows"]:
+        for mode, phases in row.get("phases", {}).items():
+            print_phases(f"E={row['num_experts']} T={row['num_tokens']} {row['operation']} {mode}", phases)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -409,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         "iters": args.iters,
         "recv_layout": args.recv_layout,
         "num_ranks_per_node": args.num_ranks_per_node,
+        "phases": args.phases,
     }
     per_rank = run_ranks(bench_rank, args.num_ranks, config)
     if per_rank is not None:

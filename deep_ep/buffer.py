@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deep_ep import _C
+from deep_ep import _C, phase_clock
 from deep_ep.domains import local_rank_facts
 from deep_ep.errors import CommTimeoutError, PeerInputError, recent_calls_message, timeout_message
 from deep_ep.event import EventOverlap
@@ -287,6 +287,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self._window = _C.window_layout(ht_region, ll_region)
         self.num_bytes = self._window["total_bytes"]
         self._comm_stream = _comm_stream(self.device)
+        self._phase_clock = settings["phase_clock"]  # EP_PHASE_CLOCK=1: kernels stamp their phases
         self._connect(ht_region, ll_region)
         self.enable_rank_masking = settings["enable_rank_masking"]
         if self.enable_rank_masking:
@@ -375,6 +376,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             "num_ranks_per_node": emulated_ranks_per_node(num_ranks_per_node),
             "scaleout_transport": requested_scaleout_transport(),
             "ll_scaleout": requested_ll_scaleout(),
+            "phase_clock": phase_clock.requested(),
             "num_cpu_bytes": num_cpu_bytes,
             "num_allocated_qps": num_allocated_qps,
             "enable_rank_masking": bool(enable_rank_masking),
@@ -471,6 +473,7 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 self.scaleout_transport or "lsa",
                 self._max_ht_num_sms,
                 self.ll_scaleout,
+                self._phase_clock,
             )
 
         try:

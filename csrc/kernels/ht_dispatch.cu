@@ -14,6 +14,7 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 
 namespace deep_ep::ht {
@@ -29,10 +30,12 @@ constexpr int kCopyUnroll = 16;
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const DispatchArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
+  clock_phase(view, ClockedKernel::kHtDispatch, 0);
   if (args.entry_barrier) {
     // Cached dispatch: no notify kernel passed the entry barrier for us.
     if (blockIdx.x == 0 && !rank_barrier(view, Operation::kHtDispatch, args.input_failed)) return;
     if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
+    clock_phase(view, ClockedKernel::kHtDispatch, 1);
   }
 
   const int lane = lane_id();
@@ -71,10 +74,12 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const Dis
     }
   }
 
+  clock_phase(view, ClockedKernel::kHtDispatch, 2);
   // grid_sync fences every CTA's stores at system scope; CTA 0's barrier then releases them to all
   // peers and waits until every peer has released theirs to us: the epilogue may read.
   if (!grid_sync(view, Operation::kHtDispatch, kGridSlotDispatch)) return;
-  if (blockIdx.x == 0) rank_barrier(view, Operation::kHtDispatch);
+  clock_phase(view, ClockedKernel::kHtDispatch, 3);
+  if (blockIdx.x == 0 && rank_barrier(view, Operation::kHtDispatch)) clock_phase(view, ClockedKernel::kHtDispatch, 4);
 }
 
 }  // namespace

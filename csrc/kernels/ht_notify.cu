@@ -25,6 +25,7 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/routing.cuh"
 #include "kernels/topology_barrier.cuh"
@@ -378,6 +379,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
     ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
                         __ldcg(totals + num_experts + dest) + 1);
   }
+  clock_phase(view, ClockedKernel::kHtNotify, 3);
   if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, num_blocks)) return false;
 
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
@@ -391,6 +393,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
     if (!call.hybrid()) collect_input_failed(view, Operation::kHtNotify, source);
   }
   __syncthreads();
+  clock_phase(view, ClockedKernel::kHtNotify, 4);
   if (failed != 0) return false;
   // Every source's expert cells were released before its rank cell, which some thread of this
   // CTA acquired before the __syncthreads above.
@@ -473,10 +476,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   const int num_columns = notify_columns(args.call);
   const int num_blocks = (args.num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
 
+  clock_phase(args.view, ClockedKernel::kHtNotify, 0);
   count_blocks(args, reinterpret_cast<uint32_t*>(smem), num_blocks, num_columns);
   if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
+  clock_phase(args.view, ClockedKernel::kHtNotify, 1);
   scan_columns(args, num_blocks, num_columns);
   if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
+  clock_phase(args.view, ClockedKernel::kHtNotify, 2);
 
   if (blockIdx.x == 0) {
     const int num_local = num_experts / num_ranks;
@@ -486,7 +492,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     int32_t* aligned = unaligned + num_local;
     const int32_t* totals = args.scratch + int64_t{num_blocks} * num_columns;
     if (exchange_counts(args, totals, num_columns, num_blocks, recv_per_source, per_source_expert)) {
+      if (args.send_base != nullptr) clock_phase(args.view, ClockedKernel::kHtNotify, 5);
       write_counts(args, recv_per_source, per_source_expert, unaligned, aligned);
+      clock_phase(args.view, ClockedKernel::kHtNotify, 6);
     }
     if (gridDim.x > 1) return;
   }
@@ -494,6 +502,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   const int64_t helpers = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const int64_t helper = gridDim.x > 1 ? blockIdx.x - 1 : 0;
   add_block_bases(args, num_columns, helper * blockDim.x + threadIdx.x, helpers * blockDim.x);
+  clock_phase(args.view, ClockedKernel::kHtNotify, 7);
 }
 
 }  // namespace

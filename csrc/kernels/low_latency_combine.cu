@@ -28,6 +28,7 @@
 #include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
 
+  clock_phase(view, ClockedKernel::kLlCombineSend, 0);
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
   // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
   const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
@@ -82,6 +84,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   if constexpr (kScaleout) transport.init(group);
   if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlCombine,
                               args.input_failed, args.rank_mask)) {
+    clock_phase(view, ClockedKernel::kLlCombineSend, 1);
     const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
     const auto* rows = static_cast<const int4*>(args.x);
     const int num_units = layout.num_local_experts * num_ranks;
@@ -148,6 +151,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         rows_before += count;
       }
       __syncthreads();
+      clock_phase(view, ClockedKernel::kLlCombineSend, 2);
 
       if constexpr (kScaleout) {
         // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
@@ -172,6 +176,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         }
       }
       __syncthreads();  // unit_counts is rewritten by the next round
+      clock_phase(view, ClockedKernel::kLlCombineSend, 3);
     }
     // Every source this CTA put may be rewritten by the next operation.
     if constexpr (kScaleout) transport.flush(group);
@@ -179,6 +184,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   int32_t* counter =
       view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
   low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask);
+  clock_phase(view, ClockedKernel::kLlCombineSend, 4);
 }
 
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
@@ -201,6 +207,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
 
+  clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const long long start = clock64();
@@ -236,6 +243,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     }
   }
   __syncthreads();
+  clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
   if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
 
   if (threadIdx.x == 0) {
@@ -321,6 +329,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
       if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
     }
   }
+  clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
 }
 
 void check_args(const LowLatencyCombineArgs& args) {

@@ -31,6 +31,7 @@
 #include "common/require.hpp"
 #include "kernels/fp8.cuh"
 #include "kernels/low_latency.hpp"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/ptx.cuh"
 #include "kernels/routing.cuh"
@@ -224,6 +225,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       if (lane == 0) list_sizes[warp] = count;
     }
     __syncthreads();
+    clock_phase(view, ClockedKernel::kLlDispatchSend, 2);
 
     // Rows of the round go round-robin over all warps, so a hot expert does not serialise on one.
     int rows_before = 0;
@@ -261,6 +263,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       rows_before += count;
     }
     __syncthreads();
+    clock_phase(view, ClockedKernel::kLlDispatchSend, 3);
 
     if constexpr (kScaleout) {
       // Header blocks (one warp per expert), then one arrival signal per expert: the CTA is the
@@ -308,6 +311,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       }
     }
     __syncthreads();  // lists and list_sizes are rewritten by the next round
+    clock_phase(view, ClockedKernel::kLlDispatchSend, 4);
   }
 }
 
@@ -325,6 +329,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   auto* expert_ids = reinterpret_cast<int16_t*>(shared);
   auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
 
+  clock_phase(view, ClockedKernel::kLlDispatchSend, 0);
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
   for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
     expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
@@ -338,6 +343,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
   if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlDispatch,
                               args.input_failed, args.rank_mask)) {
+    clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
     send_rounds<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round, transport, group);
     // Every source this CTA put may be rewritten by the next operation on this area.
     if constexpr (kScaleout) transport.flush(group);
@@ -349,6 +355,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
     int32_t* flags = view.local<int32_t>(args.area_offset + layout.staging_flags_offset);
     for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
   }
+  clock_phase(view, ClockedKernel::kLlDispatchSend, 5);
 }
 
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
@@ -395,6 +402,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const bool compact = args.recv_x != nullptr;
+  clock_phase(view, ClockedKernel::kLlDispatchRecv, 0);
   const long long start = clock64();
   for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
@@ -436,6 +444,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
       first_row[source] = count;
     }
     __syncthreads();
+    clock_phase(view, ClockedKernel::kLlDispatchRecv, 1);
     if (warp == 0) {
       int carry = 0;
       for (int base = 0; base < num_ranks; base += 32) {
@@ -497,6 +506,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
     __syncthreads();  // first_row is rewritten for the next local expert
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
+  clock_phase(view, ClockedKernel::kLlDispatchRecv, 2);
 }
 
 void check_args(const LowLatencyDispatchArgs& args) {

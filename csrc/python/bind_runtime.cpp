@@ -1,4 +1,4 @@
-// _C.Runtime: construction, bootstrap, error record, mapped counters, barrier.
+// _C.Runtime: construction, bootstrap, error record, mapped counters, phase clock, barrier.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/error_record.hpp"
+#include "common/phase_clock.hpp"
 #include "runtime/runtime.hpp"
 
 namespace py = pybind11;
@@ -17,12 +18,24 @@ void register_runtime(py::module_& m) {
   m.attr("MAPPED_WAIT_TIMEOUT") = Runtime::kMappedWaitTimeout;
   m.attr("MAPPED_WAIT_DEVICE_ERROR") = Runtime::kMappedWaitDeviceError;
   m.attr("NUM_MAPPED_COUNTERS") = kNumMappedCounters;
+  // Phase clock: {kernel name: [stamp names]} in the layout's order, and the layout's extents.
+  py::dict clocked;
+  for (const ClockedKernelNames& names : kClockedKernelNames) {
+    py::list stamps;
+    for (const char* stamp : names.stamps) {
+      if (stamp != nullptr) stamps.append(stamp);
+    }
+    clocked[names.kernel] = stamps;
+  }
+  m.attr("PHASE_CLOCK_KERNELS") = clocked;
+  m.attr("PHASE_CLOCK_CTAS") = kPhaseClockCtas;
+  m.attr("PHASE_CLOCK_STAMPS") = kPhaseClockStamps;
 
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int num_scaleup_ranks, int device, int64_t ht_region_bytes,
                        int64_t ll_region_bytes, double gpu_timeout_secs, double cpu_timeout_secs,
                        const std::string& backend, int max_num_sms, const std::string& scaleout, int max_ht_num_sms,
-                       bool ll_scaleout) {
+                       bool ll_scaleout, bool phase_clock) {
              if (backend != "ipc" && backend != "nccl") {
                throw std::invalid_argument("backend must be 'ipc' or 'nccl', got '" + backend + "'");
              }
@@ -38,13 +51,14 @@ void register_runtime(py::module_& m) {
              config.max_num_sms = max_num_sms;
              config.max_ht_num_sms = max_ht_num_sms;
              config.ll_scaleout = ll_scaleout;
+             config.phase_clock = phase_clock;
              config.scaleout = parse_scaleout_kind(scaleout);
              return std::make_unique<Runtime>(config);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("num_scaleup_ranks"), py::arg("device"),
            py::arg("ht_region_bytes"), py::arg("ll_region_bytes"), py::arg("gpu_timeout_secs"),
            py::arg("cpu_timeout_secs"), py::arg("backend"), py::arg("max_num_sms"), py::arg("scaleout") = "lsa",
-           py::arg("max_ht_num_sms") = 0, py::arg("ll_scaleout") = false)
+           py::arg("max_ht_num_sms") = 0, py::arg("ll_scaleout") = false, py::arg("phase_clock") = false)
       .def("ipc_handle", [](const Runtime& self) { return py::bytes(self.ipc_handle()); })
       .def("connect_ipc",
            [](Runtime& self, const std::vector<py::bytes>& handles) {
@@ -113,6 +127,7 @@ void register_runtime(py::module_& m) {
       .def("clear_peer_failed", &Runtime::clear_peer_failed)
       .def("reset_mapped_counter", &Runtime::reset_mapped_counter, py::arg("index"))
       .def("read_mapped_counters", &Runtime::read_mapped_counters, py::arg("begin"), py::arg("count"))
+      .def("read_phase_clock", &Runtime::read_phase_clock, py::arg("reset"))
       .def("wait_mapped_counter", &Runtime::wait_mapped_counter, py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def(

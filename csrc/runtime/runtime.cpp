@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/cuda_check.hpp"
+#include "common/phase_clock.hpp"
 #include "kernels/preload.hpp"
 #include "kernels/runtime_kernels.hpp"
 
@@ -77,6 +78,13 @@ void Runtime::create_resources() {
   for (int i = 0; i < kNumMappedCounters; ++i) mapped_counters_host_[i] = 0;
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
   EP_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
+  if (config_.phase_clock) {
+    EP_CUDA_CHECK(
+        cudaHostAlloc(&mapped, sizeof(uint64_t) * kPhaseClockEntries, cudaHostAllocMapped | cudaHostAllocPortable));
+    phase_clock_host_ = static_cast<volatile uint64_t*>(mapped);
+    for (int64_t i = 0; i < kPhaseClockEntries; ++i) phase_clock_host_[i] = 0;
+    EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&view_.phase_clock), mapped, 0));
+  }
 
   if (config_.backend == BackendKind::kIpc) {
     memory_ = std::make_unique<CudaIpcMemory>(config_.rank, config_.num_ranks, config_.window.total_bytes);
@@ -287,6 +295,20 @@ int32_t Runtime::wait_mapped_counter(int index) const {
   }
 }
 
+std::vector<uint64_t> Runtime::read_phase_clock(bool reset) {
+  if (phase_clock_host_ == nullptr) {
+    throw std::logic_error("this buffer has no phase clock (construct it with EP_PHASE_CLOCK=1 in the environment)");
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::vector<uint64_t> stamps(static_cast<size_t>(kPhaseClockEntries));
+  for (int64_t i = 0; i < kPhaseClockEntries; ++i) {
+    stamps[i] = phase_clock_host_[i];
+    if (reset) phase_clock_host_[i] = 0;
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return stamps;
+}
+
 void Runtime::launch_barrier(cudaStream_t stream) const { launch_rank_barrier(device_view(), stream); }
 
 int64_t Runtime::count_dirty_workspace_bytes(cudaStream_t stream) const {
@@ -319,6 +341,9 @@ void Runtime::destroy() {
   if (mapped_counters_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(mapped_counters_host_));
   mapped_counters_host_ = nullptr;
   mapped_counters_device_ = nullptr;
+  if (phase_clock_host_ != nullptr) cudaFreeHost(const_cast<uint64_t*>(phase_clock_host_));
+  phase_clock_host_ = nullptr;
+  view_.phase_clock = nullptr;
   if (join_event_ != nullptr) cudaEventDestroy(join_event_);
   join_event_ = nullptr;
 }

@@ -48,6 +48,8 @@ struct RuntimeConfig {
   ScaleoutKind scaleout = ScaleoutKind::kLsa;
   // LL reaches the ranks of other nodes (groups of num_scaleup_ranks) through `scaleout` too.
   bool ll_scaleout = false;
+  // Kernels stamp their phases into host-mapped memory (profiling; common/phase_clock.hpp).
+  bool phase_clock = false;
 };
 
 // "lsa" | "lsa-deferred" | "gin"; std::invalid_argument otherwise.
@@ -115,6 +117,11 @@ class Runtime {
   static constexpr int32_t kMappedWaitDeviceError = -2;
   int32_t wait_mapped_counter(int index) const;
 
+  // The phase clock's stamps ([kernel][CTA][stamp] ns, 0 = not reached; common/phase_clock.hpp),
+  // read after the caller synchronised the kernels; `reset` zeroes them for the next call. Throws
+  // std::logic_error when the runtime was built without a phase clock.
+  std::vector<uint64_t> read_phase_clock(bool reset);
+
   // One-CTA cross-rank barrier kernel on `stream`.
   void launch_barrier(cudaStream_t stream) const;
   // Debug check of the workspace invariant: synchronises `stream` and returns the number of
@@ -140,6 +147,7 @@ class Runtime {
   ErrorRecord* error_device_ = nullptr;
   volatile int32_t* mapped_counters_host_ = nullptr;
   int32_t* mapped_counters_device_ = nullptr;
+  volatile uint64_t* phase_clock_host_ = nullptr;
   cudaEvent_t join_event_ = nullptr;
 };
 

@@ -47,3 +47,32 @@ def test_rows_take_the_slowest_rank_and_split_kernels_by_operation():
         "dispatch_recv_kernel": 10.0,
     }
     assert set(rows["combine"]["kernels_us_max_over_ranks"]) == {"combine_send_kernel", "combine_recv_kernel"}
+
+
+def _phases(start_ns: list[int], send_end: float) -> dict:
+    return {
+        "ll_dispatch_send": {"stamps_us": {"start": 1.0, "end": send_end}, "start_ns": start_ns},
+        "ll_combine_recv": {"stamps_us": {"start": 0.5, "rows_reduced": 9.0}, "start_ns": start_ns},
+    }
+
+
+def test_phase_rows_take_the_largest_phase_over_ranks_and_the_start_skew_on_one_gpu():
+    config = {"tokens": [128], "experts": [256], "hidden": HIDDEN, "num_topk": 8, "phases": True}
+    ranks = [_rank(0, 1.0), _rank(1, 2.0)]
+    ranks[0]["results"][0]["phases"] = {"graph": _phases([1_000, 5_000, 9_000], 30.0)}
+    ranks[1]["results"][0]["phases"] = {"graph": _phases([3_000, 5_500, 9_000], 20.0)}
+    rows = {row["operation"]: row for row in bench_ll.summarize(ranks, config)["rows"]}
+    dispatch = rows["dispatch"]["phases"]["graph"]
+    assert list(dispatch) == ["ll_dispatch_send"]  # the combine kernels go to the combine row
+    assert dispatch["ll_dispatch_send"]["stamps_us_max_over_ranks"] == {"start": 1.0, "end": 30.0}
+    assert dispatch["ll_dispatch_send"]["start_skew_us"] == pytest.approx(0.5)  # median of 2.0, 0.5, 0.0
+    assert list(rows["combine"]["phases"]["graph"]) == ["ll_combine_recv"]
+
+
+def test_phase_rows_leave_out_the_skew_across_gpus():
+    from bench_common import phase_summary
+
+    entries = [_phases([1_000], 5.0), _phases([9_000], 6.0)]
+    summary = phase_summary(entries, same_clock=False)
+    assert "start_skew_us" not in summary["ll_dispatch_send"]
+    assert summary["ll_dispatch_send"]["stamps_us_max_over_ranks"]["end"] == 6.0
