@@ -9,7 +9,8 @@
 // CTA 0 meanwhile exchanges counts through the workspace cells ("count + 1", 0 = not arrived; in
 // direct mode with no entry barrier: the exchange is the gate, see exchange_counts), resets the
 // cells it consumed, and writes the handle's counts and, for a CPU sync, the host-mapped counters
-// with the ready cell last. The other CTAs add the bases and copy topk_idx into the handle.
+// with the ready cell last. The other CTAs add the bases (step 1 already wrote the handle's
+// sanitised copy of topk_idx).
 //
 // Hybrid mode adds one column per node (a token counts once per node holding one of its experts:
 // node_slot = its row in the scale-out stream to that node) and sends the counts for another
@@ -37,11 +38,74 @@ constexpr int kNotifyThreads = 256;
 constexpr int kNotifyWarps = kNotifyThreads / 32;
 static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
 
-// Phase 1 needs one bitmap word per (warp, column); the exchange needs [R] + [E] + 2 x [L] ints.
+// Row stride (ints) of a warp's staged expert ids: odd, so that lane t reading entry k of its own
+// row (t * stride + k) hits 32 different banks.
+__host__ __device__ constexpr int staged_id_stride(int num_topk) { return num_topk | 1; }
+
+// Phase 1 needs one bitmap word per (warp, column) plus each warp's staged ids (32 tokens x
+// stride); the exchange needs [R] + [E] + 2 x [L] ints.
 size_t notify_smem_bytes(const HtCall& call) {
-  const int64_t bitmaps = int64_t{kNotifyWarps} * notify_columns(call);
+  const int64_t phase1 =
+      int64_t{kNotifyWarps} * (notify_columns(call) + kNotifyTokensPerBlock * staged_id_stride(call.num_topk));
   const int64_t exchange = call.num_ranks() + call.num_experts + 2 * call.num_local_experts();
-  return sizeof(int32_t) * static_cast<size_t>(std::max(bitmaps, exchange));
+  return sizeof(int32_t) * static_cast<size_t>(std::max(phase1, exchange));
+}
+
+// A block's routing into the warp's staged ids (`ids`: 32 rows of `stride` ints, row = token of
+// the block), sanitised as routed_expert() would: an id outside [-1, E) is recorded and becomes -1,
+// a repeat of an earlier id in the same row is recorded and becomes -1. The rows are read with
+// coalesced loads (the block's T x K entries are contiguous), several in flight per lane, instead
+// of each lane walking its own row entry by entry (strided, one round trip after the other).
+// Also writes the handle's sanitised copy of the routing. Called by all 32 lanes.
+__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride) {
+  constexpr int kLoadsInFlight = 8;
+  const int lane = lane_id();
+  const int num_topk = args.call.num_topk;
+  const int num_experts = args.call.num_experts;
+  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
+  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+  for (int first = 0; first < num_entries; first += 32 * kLoadsInFlight) {
+    int64_t raw[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int i = first + u * 32 + lane;
+      raw[u] = i < num_entries ? __ldg(args.topk_idx + first_entry + i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int i = first + u * 32 + lane;
+      if (i >= num_entries) continue;
+      const int token = block * kNotifyTokensPerBlock + i / num_topk;
+      if (raw[u] < -1 || raw[u] >= num_experts) {
+        record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kOutOfRange, raw[u], num_experts,
+                              token);
+        raw[u] = -1;
+      }
+      ids[(i / num_topk) * stride + i % num_topk] = static_cast<int32_t>(raw[u]);
+    }
+  }
+  __syncwarp();
+  if (lane * num_topk < num_entries) {
+    int32_t* row = ids + lane * stride;
+    for (int k = 1; k < num_topk; ++k) {
+      const int32_t expert = row[k];
+      if (expert < 0) continue;
+      for (int earlier = 0; earlier < k; ++earlier) {
+        if (row[earlier] == expert) {
+          record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kDuplicate, expert, num_experts,
+                                block * kNotifyTokensPerBlock + lane);
+          row[k] = -1;
+          break;
+        }
+      }
+    }
+  }
+  __syncwarp();
+  // Every later kernel (dispatch, cached dispatch, combine) reads this copy: all agree that a bad
+  // or repeated entry is -1, and the caller may reuse topk_idx.
+  for (int i = lane; i < num_entries; i += 32) {
+    args.topk_idx_copy[first_entry + i] = ids[(i / num_topk) * stride + i % num_topk];
+  }
 }
 
 __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blocks, int num_columns) {
@@ -52,21 +116,23 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
   const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
   const int num_nodes = call.hybrid() ? call.num_nodes() : 0;
+  const int stride = staged_id_stride(num_topk);
   uint32_t* expert_bits = smem + warp * num_columns;  // bit = lane (token) of the block
   uint32_t* rank_bits = expert_bits + num_experts;
   uint32_t* node_bits = rank_bits + call.num_ranks();
+  int32_t* ids = reinterpret_cast<int32_t*>(smem + kNotifyWarps * num_columns) + warp * kNotifyTokensPerBlock * stride;
+  int32_t* my_ids = ids + lane * stride;
   const uint32_t my_bit = 1u << lane;
   const uint32_t lower_lanes = my_bit - 1u;
   for (int block = blockIdx.x * kNotifyWarps + warp; block < num_blocks; block += gridDim.x * kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
-    __syncwarp();
+    stage_block_ids(args, block, ids, stride);  // its __syncwarp also orders the zeroing
     const int token = block * kNotifyTokensPerBlock + lane;
     const bool has_token = token < args.num_tokens;
     uint32_t first_of_rank = 0;  // bit k: entry k is the token's first on its rank
     if (has_token) {
       for (int k = 0; k < num_topk; ++k) {
-        const int expert =
-            read_expert_id(args.view, Operation::kHtNotify, args.topk_idx, num_topk, token, k, num_experts);
+        const int expert = my_ids[k];
         if (expert < 0) continue;
         atomicOr(&expert_bits[expert], my_bit);
         // Only this lane sets its bit, so the old value says whether an earlier k hit this rank.
@@ -80,7 +146,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
     if (has_token) {
       for (int k = 0; k < num_topk; ++k) {
         const int64_t entry = int64_t{token} * num_topk + k;
-        const int expert = routed_expert(args.topk_idx, num_topk, token, k, num_experts);
+        const int expert = my_ids[k];
         args.expert_slot[entry] = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
         args.dst_slot[entry] =
             ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[expert / num_local] & lower_lanes) : -1;
@@ -96,34 +162,52 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
 }
 
 // Exclusive scan over blocks, in place, one column per warp; totals go to row num_blocks. The loads
-// of up to kScanRounds rounds of 32 blocks are issued before the first is scanned: one round's load
-// after the other was an L2 round trip each, in series (4 per column at T = 4096).
+// of up to kScanRounds rounds of 32 blocks, for kScanColumns columns of the warp, are issued before
+// the first is scanned: one load after the other was an L2 round trip each, in series (at 8 ranks
+// of 8 SMs a warp has 4 to 5 columns).
 constexpr int kScanRounds = 8;
+constexpr int kScanColumns = 2;
 
 __device__ void scan_columns(const NotifyArgs& args, int num_blocks, int num_columns) {
   const int lane = lane_id();
   const int warp = static_cast<int>(blockIdx.x * kNotifyWarps + threadIdx.x / 32);
-  for (int column = warp; column < num_columns; column += gridDim.x * kNotifyWarps) {
-    int running = 0;
+  const int num_warps = static_cast<int>(gridDim.x) * kNotifyWarps;
+  for (int first_column = warp; first_column < num_columns; first_column += num_warps * kScanColumns) {
+    int running[kScanColumns] = {};
     for (int first = 0; first < num_blocks; first += 32 * kScanRounds) {
-      int values[kScanRounds];
+      int values[kScanColumns][kScanRounds];
 #pragma unroll
-      for (int round = 0; round < kScanRounds; ++round) {
-        const int block = first + round * 32 + lane;
-        // Written by other CTAs before the grid sync: read through L2.
-        values[round] = block < num_blocks ? __ldcg(args.scratch + int64_t{block} * num_columns + column) : 0;
+      for (int c = 0; c < kScanColumns; ++c) {
+        const int column = first_column + c * num_warps;
+#pragma unroll
+        for (int round = 0; round < kScanRounds; ++round) {
+          const int block = first + round * 32 + lane;
+          // Written by other CTAs before the grid sync: read through L2.
+          values[c][round] = column < num_columns && block < num_blocks
+                                 ? __ldcg(args.scratch + int64_t{block} * num_columns + column)
+                                 : 0;
+        }
       }
 #pragma unroll
-      for (int round = 0; round < kScanRounds; ++round) {
-        if (first + round * 32 >= num_blocks) break;  // warp-uniform
-        const int block = first + round * 32 + lane;
-        const int inclusive = warp_inclusive_sum(values[round]);
-        if (block < num_blocks)
-          args.scratch[int64_t{block} * num_columns + column] = running + inclusive - values[round];
-        running += __shfl_sync(kFullMask, inclusive, 31);
+      for (int c = 0; c < kScanColumns; ++c) {
+        const int column = first_column + c * num_warps;
+        if (column >= num_columns) break;  // warp-uniform
+#pragma unroll
+        for (int round = 0; round < kScanRounds; ++round) {
+          if (first + round * 32 >= num_blocks) break;  // warp-uniform
+          const int block = first + round * 32 + lane;
+          const int inclusive = warp_inclusive_sum(values[c][round]);
+          if (block < num_blocks)
+            args.scratch[int64_t{block} * num_columns + column] = running[c] + inclusive - values[c][round];
+          running[c] += __shfl_sync(kFullMask, inclusive, 31);
+        }
       }
     }
-    if (lane == 0) args.scratch[int64_t{num_blocks} * num_columns + column] = running;
+#pragma unroll
+    for (int c = 0; c < kScanColumns; ++c) {
+      const int column = first_column + c * num_warps;
+      if (lane == 0 && column < num_columns) args.scratch[int64_t{num_blocks} * num_columns + column] = running[c];
+    }
   }
 }
 
@@ -134,8 +218,8 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   const int num_topk = call.num_topk;
   const int64_t num_entries = int64_t{args.num_tokens} * num_topk;
   // kBaseEntries entries per thread at a time, every load of the batch issued before its first
-  // store (entry by entry, each one's loads waited for the previous one's stores: several L2 round
-  // trips in series per entry, ~18 entries per thread at 8 ranks of 8 SMs).
+  // store (entry by entry, each one's loads waited for the previous one's stores). 16 instead of 4
+  // made no difference at 2 or 8 ranks on one H200.
   constexpr int kBaseEntries = 4;
   for (int64_t first = first_thread; first < num_entries; first += num_threads * kBaseEntries) {
     int expert[kBaseEntries];
@@ -146,9 +230,7 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
       const int64_t entry = first + b * num_threads;
       expert[b] = -1;
       if (entry >= num_entries) continue;
-      // The handle keeps its own routing (the caller may reuse topk_idx), copied here rather than by
-      // a separate launch on the host path, and sanitised: every later kernel (dispatch, cached
-      // dispatch, combine) reads this copy, so all agree that a bad or repeated entry is -1.
+      // The routing as count_blocks sanitised it (it also wrote the handle's copy).
       expert[b] =
           routed_expert(args.topk_idx, num_topk, entry / num_topk, static_cast<int>(entry % num_topk), num_experts);
       expert_slot[b] = __ldcg(args.expert_slot + entry);
@@ -165,8 +247,6 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
       const int64_t entry = first + b * num_threads;
-      if (entry >= num_entries) continue;
-      args.topk_idx_copy[entry] = expert[b];
       if (expert[b] < 0) continue;
       args.expert_slot[entry] = expert_slot[b];
       if (dst_slot[b] >= 0) args.dst_slot[entry] = dst_slot[b];
