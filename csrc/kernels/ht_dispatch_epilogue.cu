@@ -23,7 +23,14 @@ constexpr int kEpilogueWarps = kEpilogueThreads / 32;
 constexpr int kCopyUnroll = 4;
 constexpr int kRowsAhead = 4;
 
-__device__ __forceinline__ int source_of_row(const int32_t* psum_per_source, int num_ranks, int64_t row) {
+// Received row `row` came from `source`, where it is the `index`-th row that source sent here
+// (`psum_per_source`: inclusive prefix of the rows per source, in source order).
+struct RowOrigin {
+  int source;
+  int64_t index;
+};
+
+__device__ __forceinline__ RowOrigin origin_of_row(const int32_t* psum_per_source, int num_ranks, int64_t row) {
   int low = 0;
   int high = num_ranks - 1;
   while (low < high) {
@@ -34,7 +41,7 @@ __device__ __forceinline__ int source_of_row(const int32_t* psum_per_source, int
       low = middle + 1;
     }
   }
-  return low;
+  return {low, row - (low > 0 ? psum_per_source[low - 1] : 0)};
 }
 
 __device__ void zero_row(const EpilogueArgs& args, int64_t row, int64_t row_bytes, int num_scales) {
@@ -64,8 +71,7 @@ __device__ void zero_copy_metadata(const EpilogueArgs& args, const int32_t* psum
   const TokenLayout& token = call.dispatch_token();
   const int64_t num_threads = int64_t{gridDim.x} * blockDim.x;
   for (int64_t row = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; row < num_rows; row += num_threads) {
-    const int source = source_of_row(psum_per_source, view.num_ranks, row);
-    const int64_t slot_index = row - (source > 0 ? psum_per_source[source - 1] : 0);
+    const auto [source, slot_index] = origin_of_row(psum_per_source, view.num_ranks, row);
     const uint8_t* slot = view.local<uint8_t>(call.dispatch_meta_slot(source, slot_index));
     const auto* experts = reinterpret_cast<const int32_t*>(slot + token.topk_idx_offset);
     const auto* weights = reinterpret_cast<const float*>(slot + token.weights_offset);
@@ -145,9 +151,9 @@ __global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const Epilog
   const auto load_meta = [&](int64_t row) {
     RowMeta meta;
     if (row >= num_rows) return meta;
-    meta.source = source_of_row(psum_shared, num_ranks, row);
-    const int64_t slot_index = row - (meta.source > 0 ? psum_shared[meta.source - 1] : 0);
-    meta.slot = view.local<uint8_t>(call.dispatch_slot(meta.source, slot_index));
+    const RowOrigin origin = origin_of_row(psum_shared, num_ranks, row);
+    meta.source = origin.source;
+    meta.slot = view.local<uint8_t>(call.dispatch_slot(origin.source, origin.index));
     if (lane < num_topk) {
       meta.expert = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.topk_idx_offset) + lane);
       meta.expert_slot = __ldg(reinterpret_cast<const int32_t*>(meta.slot + token.expert_slot_offset) + lane);
