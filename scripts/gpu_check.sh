@@ -19,8 +19,8 @@
 #        "python3 benchmarks/bench_ll.py --num-ranks 8 --num-ranks-per-node 4 --out $OUT/vn").
 # EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
-# The device tool brings back at most 8 files: when $OUT holds more, the logs are packed into
-# $OUT/logs.tar.gz (JSON and plots stay as they are).
+# The device tool brings back at most 8 files (at any depth): when $OUT holds more, everything but
+# the JSON results is packed into $OUT/logs.tar.gz (scripts/pack_out.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-$PWD/out}
@@ -155,10 +155,8 @@ for file in "$OUT"/barrier_latency_*ranks.json; do
   summary+=("$(basename "$file" .json): $($PY -c "import json,sys; print(round(json.load(open(sys.argv[1]))['us_per_barrier_max_over_ranks'], 2), 'us')" "$file")")
 done
 
-if [[ $(find "$OUT" -maxdepth 1 -type f | wc -l) -gt 8 ]]; then
-  (cd "$OUT" && tar czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log ./*.txt)
-  summary+=("logs packed into $OUT/logs.tar.gz")
-fi
+packed=$(bash scripts/pack_out.sh "$OUT" 8)
+[[ -n $packed ]] && summary+=("$packed")
 
 echo "===================== gpu_check summary ====================="
 printf '%s\n' "${summary[@]}"
