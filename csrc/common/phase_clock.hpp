@@ -20,7 +20,7 @@ enum class ClockedKernel : int32_t {
   kLlCombineRecv = 5,
 };
 
-constexpr int kPhaseClockKernels = 6;
+constexpr int kPhaseClockKernels = static_cast<int>(ClockedKernel::kLlCombineRecv) + 1;
 constexpr int kPhaseClockCtas = 160;  // stamps of CTAs beyond this are not kept
 constexpr int kPhaseClockStamps = 8;
 constexpr int64_t kPhaseClockEntries = int64_t{kPhaseClockKernels} * kPhaseClockCtas * kPhaseClockStamps;
@@ -41,5 +41,7 @@ inline constexpr ClockedKernelNames kClockedKernelNames[kPhaseClockKernels] = {
     {"ll_combine_send", {"start", "gate_open", "rows_sent", "arrivals_published", "end"}},
     {"ll_combine_recv", {"start", "rows_arrived", "rows_reduced"}},
 };
+static_assert(kClockedKernelNames[kPhaseClockKernels - 1].kernel != nullptr,
+              "every ClockedKernel needs its names (in enum order)");
 
 }  // namespace deep_ep
