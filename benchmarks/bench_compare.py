@@ -1,0 +1,116 @@
+"""Before/after table of two benchmark results (bench_ht.json or bench_ll.json), as Markdown.
+
+    python benchmarks/bench_compare.py BEFORE.json AFTER.json
+
+The usual pair comes from ``scripts/ab_compare.sh`` (the same machine, built and run back to back).
+Rows are matched by their key (HT: T, operation, requested SMs, ranks per node; LL: E, T,
+operation); a row present on one side only is listed with "-" on the other. Per row: the
+operation's time (HT: the slowest rank's median; LL: graph replay), the after/before ratio, the
+floor fraction, and per kernel its time as "before → after" (HT: max over ranks, and the min over
+ranks in brackets, which for a kernel that waits for its peers is close to its own cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+Key = tuple[Any, ...]
+
+
+def _kind(summary: dict[str, Any]) -> str:
+    rows = summary.get("rows") or [{}]
+    return "ll" if "num_experts" in rows[0] and isinstance(rows[0].get("time_us"), dict) else "ht"
+
+
+def _key(kind: str, row: dict[str, Any]) -> Key:
+    if kind == "ll":
+        return (row["num_experts"], row["num_tokens"], row["operation"])
+    return (row["num_tokens"], row["operation"], row.get("requested_num_sms", 0), row.get("num_ranks_per_node"))
+
+
+def _label(kind: str, key: Key) -> str:
+    if kind == "ll":
+        return f"E={key[0]} T={key[1]} {key[2]}"
+    label = f"T={key[0]} {key[1]}"
+    if key[2]:
+        label += f" sms={key[2]}"
+    if key[3] is not None:
+        label += f" S={key[3]}"
+    return label
+
+
+def _time(kind: str, row: dict[str, Any]) -> float:
+    return row["time_us"]["graph"] if kind == "ll" else row["time_us"]
+
+
+def _floor(kind: str, row: dict[str, Any]) -> float:
+    return row["floor_fraction_graph"] if kind == "ll" else row["floor_fraction"]
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _kernels(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    """'name b → a' per kernel of either side; HT rows add the min over ranks in brackets."""
+    sides = [row or {} for row in (before, after)]
+    names = sorted({name for row in sides for name in row.get("kernels_us_max_over_ranks", {})})
+    parts = []
+    for name in names:
+        values = []
+        for row in sides:
+            high = row.get("kernels_us_max_over_ranks", {}).get(name)
+            low = row.get("kernels_us_min_over_ranks", {}).get(name)
+            text = _number(high)
+            if low is not None and high is not None and abs(high - low) >= 0.05:
+                text += f" [{low:,.1f}]"
+            values.append(text)
+        parts.append(f"{name.removesuffix('_kernel')} {values[0]} → {values[1]}")
+    return "; ".join(parts)
+
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The Markdown table comparing two summaries of the same benchmark."""
+    kind, other = _kind(before), _kind(after)
+    if kind != other:
+        raise ValueError(f"the two files come from different benchmarks ({kind} and {other})")
+    rows_before = {_key(kind, row): row for row in before["rows"]}
+    rows_after = {_key(kind, row): row for row in after["rows"]}
+    keys = list(rows_before) + [key for key in rows_after if key not in rows_before]
+    time_header = "graph µs" if kind == "ll" else "µs"
+    lines = [
+        f"| row | {time_header} before | after | after / before | floor before | after | kernels (µs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in keys:
+        old, new = rows_before.get(key), rows_after.get(key)
+        old_time = None if old is None else _time(kind, old)
+        new_time = None if new is None else _time(kind, new)
+        ratio = "-" if old_time is None or new_time is None or old_time == 0 else f"{new_time / old_time:.3f}"
+        floors = ["-" if row is None else f"{_floor(kind, row):.2f}" for row in (old, new)]
+        lines.append(
+            f"| {_label(kind, key)} | {_number(old_time)} | {_number(new_time)} | {ratio} | {floors[0]} | "
+            f"{floors[1]} | {_kernels(old, new)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", help="bench_ht.json or bench_ll.json of the before side")
+    parser.add_argument("after", help="the same benchmark's JSON of the after side")
+    args = parser.parse_args(argv)
+    with open(args.before) as handle:
+        before = json.load(handle)
+    with open(args.after) as handle:
+        after = json.load(handle)
+    try:
+        print(compare(before, after))
+    except ValueError as error:
+        raise SystemExit(f"bench_compare: {error}") from None
+
+
+if __name__ == "__main__":
+    main()
