@@ -108,6 +108,13 @@ def kernel_times_us(
         return {}
 
 
+def request_phase_clock() -> None:
+    """Buffers this process builds from now on get the phase clock (deep_ep.phase_clock). Set as
+    the variable, not through deep_ep.phase_clock.ENV, so that the benchmarks still import on an
+    ab_compare before side that predates the module."""
+    os.environ["EP_PHASE_CLOCK"] = "1"
+
+
 def phase_times_us(buffer: Any, operation: Callable[[], None], runs: int = 9) -> dict[str, dict[str, Any]]:
     """Where each clocked kernel of ``operation`` spends its time (the buffer needs EP_PHASE_CLOCK=1;
     deep_ep.phase_clock): per kernel, the median over ``runs`` of each phase's time after the

@@ -46,6 +46,7 @@ from bench_common import (
     phase_summary,
     phase_times_us,
     print_phases,
+    request_phase_clock,
     run_ranks,
     save_summary,
 )
@@ -406,7 +407,7 @@ def bench_rank(rank: int, num_ranks: int, group, config: dict[str, Any]) -> dict
     dist.barrier(group=group)
 
     if config.get("phases"):
-        os.environ["EP_PHASE_CLOCK"] = "1"  # before the buffers are built (deep_ep.phase_clock)
+        request_phase_clock()  # before the buffers are built
     results = []
     for num_ranks_per_node in buffer_layouts(num_ranks, config.get("num_ranks_per_node", [])):
         layout = {} if num_ranks_per_node is None else {"num_ranks_per_node": num_ranks_per_node}

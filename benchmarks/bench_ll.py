@@ -48,6 +48,7 @@ from bench_common import (
     phase_summary,
     phase_times_us,
     print_phases,
+    request_phase_clock,
     run_ranks,
     save_summary,
     timed_after_barrier,
@@ -256,7 +257,7 @@ def bench_rank(rank: int, num_ranks: int, group: Any, config: dict[str, Any]) ->
     dist.barrier(group=group)
     results, barriers, sm_cap = [], [], 0
     if config.get("phases"):
-        os.environ["EP_PHASE_CLOCK"] = "1"  # before the buffers are built (deep_ep.phase_clock)
+        request_phase_clock()  # before the buffers are built
     nodes = {}
     if config.get("num_ranks_per_node"):
         os.environ["EP_LL_SCALEOUT"] = "1"  # every rank sets it before its buffers read it

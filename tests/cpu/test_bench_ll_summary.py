@@ -76,3 +76,13 @@ def test_phase_rows_leave_out_the_skew_across_gpus():
     summary = phase_summary(entries, same_clock=False)
     assert "start_skew_us" not in summary["ll_dispatch_send"]
     assert summary["ll_dispatch_send"]["stamps_us_max_over_ranks"]["end"] == 6.0
+
+
+def test_the_benchmarks_request_the_phase_clock_through_the_variable_the_buffer_reads(monkeypatch):
+    from bench_common import request_phase_clock
+
+    from deep_ep import phase_clock
+
+    monkeypatch.delenv(phase_clock.ENV, raising=False)
+    request_phase_clock()
+    assert phase_clock.requested() is True
