@@ -28,19 +28,15 @@
 
 namespace deep_ep {
 
-// Called by threads of one CTA before the release that publishes this rank's arrival.
-// Peers this rank cannot reach by load/store (other hosts, gin) are skipped, and so are the peers
-// for which `told_otherwise(peer)` is true (LL across nodes: the arrival signals carry it).
-template <typename ToldOtherwise>
-__device__ __forceinline__ void announce_input_failed(const DeviceView& view, ToldOtherwise&& told_otherwise) {
+// Called by threads of one CTA before the release that publishes this rank's arrival. Peers this
+// rank cannot reach by load/store (other hosts, gin) are skipped. (LL does not use these cells: its
+// arrival cells and signals carry the flag themselves, low_latency.hpp.)
+__device__ __forceinline__ void announce_input_failed(const DeviceView& view) {
   for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
-    if (peer != view.rank && view.peer_bases[peer] != nullptr && !told_otherwise(peer)) {
+    if (peer != view.rank && view.peer_bases[peer] != nullptr) {
       ptx::st_relaxed_sys(view.peer<int32_t>(peer, WorkspaceLayout::input_failed_offset + int64_t{view.rank} * 4), 1);
     }
   }
-}
-__device__ __forceinline__ void announce_input_failed(const DeviceView& view) {
-  announce_input_failed(view, [](int) { return false; });
 }
 
 // After this thread acquired `peer`'s arrival: record and clear the peer's announcement, if any.

@@ -346,7 +346,8 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
     const int64_t cell = WorkspaceLayout::expert_counts_offset + 4 * (int64_t{source} * num_local + local);
     ptx::st_relaxed_sys(view.peer<int32_t>(node * scaleup + j, cell), message[scaleup + j * num_local + local] + 1);
   }
-  ptx::fence_acq_rel_sys();
+  // No fence of our own: each release store below is cumulative over the CTA's stores above,
+  // which the __syncthreads orders before it.
   __syncthreads();
   for (int index = threadIdx.x; index < num_nodes * scaleup; index += blockDim.x) {
     const int m = index / scaleup;
@@ -453,7 +454,8 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
         WorkspaceLayout::expert_counts_offset + 4 * (int64_t{view.rank} * num_local + expert % num_local);
     ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), __ldcg(totals + expert) + 1);
   }
-  ptx::fence_acq_rel_sys();
+  // No fence of our own: each release store below is cumulative over the CTA's expert-count
+  // stores, which the __syncthreads orders before it.
   __syncthreads();
   for (int dest = first_dest + threadIdx.x; dest < first_dest + num_dests; dest += blockDim.x) {
     ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
@@ -543,10 +545,8 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
     mapped[kMappedAlignedExpertCounts + local] = aligned[local];
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    ptx::fence_acq_rel_sys();
-    ptx::st_release_sys(mapped + kMappedReady, 1);
-  }
+  // The release is cumulative over the CTA's mapped stores (ordered before it by the barrier).
+  if (threadIdx.x == 0) ptx::st_release_sys(mapped + kMappedReady, 1);
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyArgs args) {

@@ -24,9 +24,12 @@
 //     peer at the end of their previous send: no send waits for a peer to start the same
 //     operation. The rank's {area, epoch} of its last send (kLowLatencyStateInts in area 0) tell
 //     the end-of-send publication which area holds the previous operation.
-//   * a rank whose input failed its host checks sends with no data and `input_failed`: every CTA
-//     sets its input-failed cell in every peer before publishing arrival cells; receivers record
-//     it (not fatal) after acquiring a cell of that peer.
+//   * a rank whose input failed its host checks sends with no data and `input_failed`: its arrival
+//     cells (and signals) carry kFailedInputSignalFlag on top of count + 1, and the receiver records
+//     it (not fatal) when it reads one. Carried by this operation's cells, the report belongs to this
+//     operation: a separate "input failed" cell, set at the start of the send, could be set by a
+//     fast rank's next operation while a slow peer still received this one, which then reported it
+//     (a PeerInputError for an operation whose inputs were fine).
 //   * across nodes (DeviceView::ll_ranks_per_node > 0): a peer of another node is reached through
 //     the scale-out transport instead of stores. Rows are staged in the sender's window and put
 //     (with `lsa`, whose puts are stores anyway, stored straight into the peer instead); the
@@ -240,18 +243,21 @@ __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowL
   return ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
 }
 
+// The value of an arrival cell: count + 1 (0 = not arrived), plus kFailedInputSignalFlag when this
+// rank's input failed (the launchers keep counts below the flag).
+__device__ __forceinline__ int32_t arrival_value(int32_t count, bool input_failed) {
+  return count + 1 + (input_failed ? static_cast<int32_t>(kFailedInputSignalFlag) : 0);
+}
+
 // Start of a send phase; every thread of every CTA, before the CTA writes into any peer's area.
-// With `input_failed` every CTA first announces it to every peer (before any arrival cell it
-// publishes). CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each
-// CTA then waits until every peer released epoch - 1 operations here — normally already true, from
-// the peer's previous send. Returns false on timeout (the CTA must not write then).
+// CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each CTA then waits
+// until every peer released epoch - 1 operations here — normally already true, from the peer's
+// previous send. Returns false on timeout (the CTA must not write then).
 __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int area,
-                                           int64_t area_offset, int32_t epoch, Operation operation, bool input_failed,
+                                           int64_t area_offset, int32_t epoch, Operation operation,
                                            int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  // Peers on other nodes learn it from the arrival signals (kFailedInputSignalFlag) instead.
-  if (input_failed) announce_input_failed(view, [&](int peer) { return via_transport(view, peer); });
   if (blockIdx.x == 0) {
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
@@ -287,32 +293,54 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
                                          int area, int32_t epoch, int32_t* counter, const int32_t* rank_mask) {
   __shared__ int is_last;
   __shared__ int32_t previous[kLowLatencyStateInts];
+  __shared__ int32_t received[kLowLatencyAreas];
+  static_assert(kLowLatencySendThreads >= 64 + kLowLatencyAreas && kLowLatencyStateInts <= 32, "end_send's loaders");
+  int32_t* state = view.local<int32_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 4);
   __syncthreads();
-  if (threadIdx.x == 0) {
+  const int thread = static_cast<int>(threadIdx.x);
+  if (thread == 0) {
     // acq_rel: every CTA's window accesses happen-before the last CTA's release stores below.
     is_last = ptx::atomic_add_acq_rel_gpu(counter, 1) == static_cast<int32_t>(gridDim.x) - 1;
     if (is_last) *counter = 0;  // workspace invariant: scratch is zero between kernels
+  } else if (thread >= 32 && thread < 32 + kLowLatencyStateInts) {
+    // What the last CTA needs, loaded by other warps while thread 0 counts (every CTA: it is not
+    // known yet which is last): this rank's last send, and how many operations each area received.
+    // Earlier kernels of this stream wrote them, so reading before the count sees the same values.
+    previous[thread - 32] = state[thread - 32];
+  } else if (thread >= 64 && thread < 64 + kLowLatencyAreas) {
+    received[thread - 64] =
+        ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, ll_offset + layout.area_start(thread - 64), view.rank));
   }
   __syncthreads();
   if (!is_last) return false;
-  int32_t* state = view.local<int32_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 4);
-  if (threadIdx.x < kLowLatencyStateInts) previous[threadIdx.x] = state[threadIdx.x];
-  __syncthreads();
   const int previous_area = previous[0];
   const int32_t previous_epoch = previous[1];  // 0: no previous operation
-  for (int other = 0; other < kLowLatencyAreas; ++other) {
-    const int64_t other_offset = ll_offset + layout.area_start(other);
-    int32_t released = 0;
-    if (other == area) {
-      released = epoch - 1;
-    } else if (other == previous_area && previous_epoch > 0) {
-      released = previous_epoch - 1;
-    } else {
-      released = ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, other_offset, view.rank));
+  if (thread < view.num_ranks) {
+    int32_t released[kLowLatencyAreas];
+#pragma unroll
+    for (int other = 0; other < kLowLatencyAreas; ++other) {
+      if (other == area) {
+        released[other] = epoch - 1;
+      } else if (other == previous_area && previous_epoch > 0) {
+        released[other] = previous_epoch - 1;
+      } else {
+        released[other] = received[other];
+      }
     }
+    // One system-scope fence per thread, then strong stores: each store after the fence releases
+    // what the fence covers (every CTA's window accesses, ordered before it by the counter's
+    // acq_rel and the __syncthreads). A release store per area would fence once per area, in series.
+    ptx::fence_acq_rel_sys();
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
-      if (peer != view.rank && !peer_masked(rank_mask, peer)) {
-        publish_release(view, layout, other, other_offset, peer, released);
+      if (peer == view.rank || peer_masked(rank_mask, peer)) continue;
+#pragma unroll
+      for (int other = 0; other < kLowLatencyAreas; ++other) {
+        if (via_transport(view, peer)) {
+          publish_release_signal(view, other, peer, released[other]);
+        } else {
+          ptx::st_relaxed_sys(flags_cell(view, peer, layout, ll_offset + layout.area_start(other), view.rank),
+                              released[other]);
+        }
       }
     }
   }

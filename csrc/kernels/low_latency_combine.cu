@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
   if constexpr (kScaleout) transport.init(group);
   if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlCombine,
-                              args.input_failed, args.rank_mask)) {
+                              args.rank_mask)) {
     clock_phase(view, ClockedKernel::kLlCombineSend, 1);
     const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
     const auto* rows = static_cast<const int4*>(args.x);
@@ -168,11 +168,12 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
         const int unit = unit_of(threadIdx.x);
         if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
             !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
-          // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the cell.
+          // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
+          // cell, which a strong store after the fence releases (no second fence).
           ptx::fence_acq_rel_sys();
-          ptx::st_release_sys(
+          ptx::st_relaxed_sys(
               low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
-              unit_counts[threadIdx.x] + 1);
+              low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
         }
       }
       __syncthreads();  // unit_counts is rewritten by the next round
@@ -226,13 +227,15 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     } else {
       const int32_t* cell =
           low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+      int32_t value = 0;
       result =
           wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-            seen = ptx::ld_acquire_sys(cell);
-            return seen != 0;
+            value = ptx::ld_acquire_sys(cell);
+            seen = value;
+            return value != 0;
           });
-      if (result == WaitResult::kArrived && blockIdx.x == 0) {
-        collect_input_failed(view, Operation::kLlCombine, source);  // announced before the cell's release
+      if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
+        record_peer_failed(view, Operation::kLlCombine, source);
       }
     }
     if (result == WaitResult::kFailed) atomicExch(&failed, 1);

@@ -132,12 +132,19 @@ __device__ __forceinline__ void stage_fp8_once(const LowLatencyDispatchArgs& arg
   __syncwarp();
 }
 
-// fp8 message of `token` (its staging row: payload and scales) into `dest`'s receive row `row`,
-// with 16-byte stores (the scales too when H is a multiple of 512).
+// fp8 message of `token` into `dest`'s receive row `row`. `quantise_here`: quantised by this warp
+// straight into the row (see send_rounds); otherwise copied from the token's staging row (payload
+// and scales, quantised once per call) with 16-byte stores (the scales too when H is a multiple of 512).
 __device__ __forceinline__ void send_fp8_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
-                                             int lane) {
+                                             bool quantise_here, int lane) {
   const int num_groups = args.hidden / kFp8GroupSize;
   const LowLatencyLayout& layout = args.layout;
+  if (quantise_here) {
+    uint8_t* payload = args.view.peer<uint8_t>(dest, args.area_offset + layout.dispatch_payload_offset);
+    float* scales = args.view.peer<float>(dest, args.area_offset + layout.dispatch_scales_offset);
+    write_fp8_row(args, token, payload + row * args.hidden, scales + row * num_groups, lane);
+    return;
+  }
   stage_fp8_once(args, token, lane);
   const auto* src =
       args.view.local<const int4>(args.area_offset + layout.staging_payload_offset) + int64_t{token} * args.hidden / 8;
@@ -242,6 +249,10 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       // lsa puts are plain stores anyway: store straight into the peer as within a node (no staging
       // write and re-read); the arrival signal covers these stores as it covers a put.
       const bool remote = kScaleout && low_latency::via_transport(view, dest) && !low_latency::stores_directly(view);
+      // When the call has at most one row per warp of the grid, each row's warp quantises the token
+      // itself: the warps work in parallel anyway, and the shared staging row would put a store, a
+      // fence, another warp's flag wait and a reload between x and the destination. Same bytes.
+      const bool quantise_here = int64_t{num_tokens} * num_topk <= int64_t{gridDim.x} * kSendWarps;
       for (int i = first_i; i < count; i += kSendWarps) {
         const int32_t entry = lists[j * num_tokens + i];
         const int token = entry >> kSlotBits;
@@ -251,7 +262,7 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
           continue;
         }
         if constexpr (kUseFp8) {
-          send_fp8_row(args, dest, row, token, lane);
+          send_fp8_row(args, dest, row, token, quantise_here, lane);
         } else {
           send_bf16_row(args, dest, row, token, lane);
         }
@@ -303,11 +314,12 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
       if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local) &&
           !(kScaleout && low_latency::via_transport(view, expert / num_local))) {
         // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
-        // before the count; the receiver's acquire of the count then covers them.
+        // before the count, which a strong store after it releases (a release store would fence a
+        // second time); the receiver's acquire of the count then covers them.
         ptx::fence_acq_rel_sys();
-        ptx::st_release_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
+        ptx::st_relaxed_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
                                                       expert % num_local, view.rank),
-                            list_sizes[threadIdx.x] + 1);
+                            low_latency::arrival_value(list_sizes[threadIdx.x], args.input_failed));
       }
     }
     __syncthreads();  // lists and list_sizes are rewritten by the next round
@@ -342,7 +354,7 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   if constexpr (kScaleout) transport.init(group);
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
   if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlDispatch,
-                              args.input_failed, args.rank_mask)) {
+                              args.rank_mask)) {
     clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
     send_rounds<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round, transport, group);
     // Every source this CTA put may be rewritten by the next operation on this area.
@@ -406,7 +418,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   const long long start = clock64();
   for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
-      int64_t value = 0;  // count + 1 (+ kFailedInputSignalFlag across nodes when its input failed)
+      int64_t value = 0;  // count + 1 (+ kFailedInputSignalFlag when the source's input failed)
       bool arrived = false;
       if (low_latency::via_transport(view, source)) {
         // Across nodes: this thread is the only reader of the (area, l, s) signal; one operation
@@ -416,11 +428,7 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
         const uint64_t before = *shadow;
         arrived = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlDispatch, Phase::kCountsArrive,
                                                    source, id, before, &value) == WaitResult::kArrived;
-        if (arrived) {
-          *shadow = before + static_cast<uint64_t>(value);
-          if (value >= kFailedInputSignalFlag) record_peer_failed(view, Operation::kLlDispatch, source);
-          value %= kFailedInputSignalFlag;
-        }
+        if (arrived) *shadow = before + static_cast<uint64_t>(value);
       } else {
         int32_t* cell = low_latency::arrival_cell(view, view.rank, layout, args.area_offset, local, source);
         // A masked source (or one masked by this wait) sent nothing: 0 rows.
@@ -430,8 +438,11 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
                                  seen = value;
                                  return value != 0;
                                }) == WaitResult::kArrived;
-        if (arrived) collect_input_failed(view, Operation::kLlDispatch, source);  // announced before the cell
         ptx::st_relaxed_sys(cell, 0);
+      }
+      if (arrived && value >= kFailedInputSignalFlag) {
+        record_peer_failed(view, Operation::kLlDispatch, source);
+        value %= kFailedInputSignalFlag;
       }
       if (args.wait_cost_stats != nullptr) {
         atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
@@ -552,6 +563,9 @@ int max_dynamic_shared_bytes(bool scaleout) {
 void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
                             int num_topk) {
   EP_REQUIRE(layout.num_max_tokens > 0, "the buffer has no low-latency region (num_max_dispatch_tokens_per_rank=0)");
+  // An arrival cell holds count + 1 below the failed-input flag (arrival_value).
+  EP_REQUIRE(layout.num_max_tokens < kFailedInputSignalFlag - 1,
+             "num_max_dispatch_tokens_per_rank must be below 2^24 - 1, got " + std::to_string(layout.num_max_tokens));
   EP_REQUIRE(num_experts == layout.num_local_experts * num_ranks,
              "num_experts must be " + std::to_string(layout.num_local_experts * num_ranks) + " (the buffer's), got " +
                  std::to_string(num_experts));
