@@ -346,8 +346,7 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
     const int64_t cell = WorkspaceLayout::expert_counts_offset + 4 * (int64_t{source} * num_local + local);
     ptx::st_relaxed_sys(view.peer<int32_t>(node * scaleup + j, cell), message[scaleup + j * num_local + local] + 1);
   }
-  // No fence of our own: each release store below is cumulative over the CTA's stores above,
-  // which the __syncthreads orders before it.
+  ptx::fence_acq_rel_sys();
   __syncthreads();
   for (int index = threadIdx.x; index < num_nodes * scaleup; index += blockDim.x) {
     const int m = index / scaleup;

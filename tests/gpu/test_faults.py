@@ -5,7 +5,8 @@ every rank, within the timeout plus a little, and leaves the survivors' CUDA con
   allocation makes every rank raise the same error naming it, quickly, with nothing leaked;
 - a rank whose call fails its host checks takes part without data and raises; its peers complete
   the operation and report PeerInputError at their next synchronisation point (HT dispatch,
-  cached dispatch, combine, LL dispatch, LL combine); a combine counts its rows as zero;
+  cached dispatch, combine, LL dispatch, LL combine); a combine counts its rows as zero; a refusal
+  is reported for its own operation only, also when its rank runs ahead of a peer's receive;
 - repeated expert ids in a token's top-k count once (HT expand and LL), reported as ValueError;
 - a rank that skips an operation, or dies in the middle of one, is named (peer and phase, never
   "grid synchronisation") by every survivor within the timeout + 2 s, and a new buffer works;
@@ -339,6 +340,53 @@ def test_repeated_expert_ids_count_once_and_are_reported(num_ranks):
             assert result["handle_row0"] == [3, -1, -1, -1], result["handle_row0"]
         else:
             assert result["check"][0] is None and result["ll_check"][0] is None, (rank, result)
+
+
+# ------------------------------------------------------------------ a refusal run ahead of a peer
+
+
+def _refusal_ahead_of_a_receive(rank, num_ranks, group):
+    """Rank 0 runs ahead into a refused LL dispatch (every rank refuses it) while its peers still
+    have the previous dispatch's receive pending (hook): a peer's receive of that earlier
+    operation must not report rank 0's refusal, which belongs to the next one."""
+    num_experts = _experts(num_ranks)
+    buffer = _buffer(group, num_experts)
+    results = {}
+    try:
+        x, topk_idx, weights = _inputs(rank, num_experts, num_tokens=LL_TOKENS, seed=10)
+        if rank == 0:
+            buffer.low_latency_dispatch(x, topk_idx, LL_TOKENS, num_experts, use_fp8=False)
+        else:
+            *_, hook = buffer.low_latency_dispatch(
+                x, topk_idx, LL_TOKENS, num_experts, use_fp8=False, return_recv_hook=True
+            )
+            # Rank 0 is in its refused dispatch by now: it sent, and its receive waits for ours.
+            time.sleep(0.5)
+            hook()
+            results["after_receive"] = _outcome(buffer.check_errors)
+        bad_x = x[:, :100]  # hidden not a multiple of 128: refused on every rank
+        results["refused"] = _outcome(lambda: buffer.low_latency_dispatch(bad_x, topk_idx, LL_TOKENS, num_experts))
+        # Each rank refused the same call, so none reports the others' refusal of it.
+        results["after_refusal"] = _outcome(buffer.check_errors)
+        combined = _ll_round_trip(buffer, x, topk_idx, weights)
+        keep = _first_occurrence(topk_idx)
+        results["exact"] = bool(torch.equal(combined, _ll_expected(x, topk_idx, weights, keep)))
+    finally:
+        buffer.destroy()
+    return results
+
+
+def test_a_refusal_is_reported_for_its_own_operation_only(num_ranks):
+    if num_ranks < 2:
+        pytest.skip("needs a peer that runs ahead")
+    results = launch(_refusal_ahead_of_a_receive, num_ranks)
+    print(f"\n[faults] refusal ahead of a receive, {num_ranks} ranks: {results}")
+    for rank, result in enumerate(results):
+        if rank != 0:
+            assert result["after_receive"][0] is None, (rank, "the earlier receive reported", result)
+        assert result["refused"][0] == "ValueError", (rank, result)
+        assert result["after_refusal"][0] is None, (rank, result)
+        assert result["exact"], (rank, "LL round trip after the refusal", result)
 
 
 # -------------------------------------------------------------------------- skipped operation
