@@ -8,6 +8,10 @@ operation); a row present on one side only is listed with "-" on the other. Per 
 operation's time (HT: the slowest rank's median; LL: graph replay), the after/before ratio, the
 floor fraction, and per kernel its time as "before → after" (HT: max over ranks, and the min over
 ranks in brackets, which for a kernel that waits for its peers is close to its own cost).
+
+When the results carry the phase clock (``--phases``), a second table follows: per row and clocked
+kernel (LL: per timing context, graph or chain), each phase's stamp as "before → after" (µs after
+the kernel's first CTA entry, taken when its last CTA got there, max over ranks), and the start skew.
 """
 
 from __future__ import annotations
@@ -97,6 +101,46 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _phase_kernels(row: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """{"[context ]kernel": {"stamps_us_max_over_ranks": ..., "start_skew_us": ...}} of one row:
+    HT rows hold the kernels directly, LL rows one level of timing contexts above them."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, value in ((row or {}).get("phases") or {}).items():
+        if "stamps_us_max_over_ranks" in value:
+            found[name] = value
+        else:
+            found.update({f"{name} {kernel}": clocked for kernel, clocked in value.items()})
+    return found
+
+
+def compare_phases(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The Markdown table of the phase stamps of two summaries ("" when neither has any)."""
+    kind = _kind(before)
+    rows_before = {_key(kind, row): row for row in before["rows"]}
+    rows_after = {_key(kind, row): row for row in after["rows"]}
+    keys = list(rows_before) + [key for key in rows_after if key not in rows_before]
+    lines = []
+    for key in keys:
+        sides = [_phase_kernels(rows.get(key)) for rows in (rows_before, rows_after)]
+        for kernel in list(sides[0]) + [name for name in sides[1] if name not in sides[0]]:
+            stamps = [side.get(kernel, {}).get("stamps_us_max_over_ranks", {}) for side in sides]
+            names = list(stamps[0]) + [name for name in stamps[1] if name not in stamps[0]]
+            cells = [
+                f"{name} {_number(stamps[0].get(name))} → {_number(stamps[1].get(name))}"
+                for name in names
+                if name != "start"
+            ]
+            skews = [_number(side.get(kernel, {}).get("start_skew_us")) for side in sides]
+            lines.append(f"| {_label(kind, key)} | {kernel} | {'; '.join(cells)} | {skews[0]} → {skews[1]} |")
+    if not lines:
+        return ""
+    header = [
+        "| row | kernel | phase stamps, µs (before → after) | start skew µs |",
+        "|---|---|---|---|",
+    ]
+    return "\n".join(header + lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", help="bench_ht.json or bench_ll.json of the before side")
@@ -108,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         after = json.load(handle)
     try:
         print(compare(before, after))
+        phases = compare_phases(before, after)
+        if phases:
+            print()
+            print(phases)
     except ValueError as error:
         raise SystemExit(f"bench_compare: {error}") from None
 

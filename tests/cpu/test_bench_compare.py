@@ -1,5 +1,5 @@
 """benchmarks/bench_compare.py: rows matched by key across two summaries, ratios, kernels before → after,
-rows of one side only, and a refusal to compare two different benchmarks."""
+rows of one side only, a refusal to compare two different benchmarks, and the phase-stamp table."""
 
 from __future__ import annotations
 
@@ -68,3 +68,28 @@ def test_two_different_benchmarks_are_refused_from_the_command_line(tmp_path):
     )
     assert done.returncode != 0
     assert "different benchmarks (ht and ll)" in done.stderr
+
+
+def _clocked(**stamps: float) -> dict:
+    return {"stamps_us_max_over_ranks": {"start": 0.1, **stamps}, "start_skew_us": 2.0}
+
+
+def test_phase_stamps_are_compared_per_kernel_and_ll_context():
+    before_ll = _ll_row("dispatch", 150.0)
+    after_ll = _ll_row("dispatch", 140.0)
+    before_ll["phases"] = {"chain": {"ll_dispatch_send": _clocked(gate_open=4.3, end=24.5)}}
+    after_ll["phases"] = {"chain": {"ll_dispatch_send": _clocked(gate_open=4.1, end=20.9)}}
+    table = bench_compare.compare_phases({"rows": [before_ll]}, {"rows": [after_ll]})
+    expected = "| E=256 T=128 dispatch | chain ll_dispatch_send | gate_open 4.3 → 4.1; end 24.5 → 20.9 | 2.0 → 2.0 |"
+    assert expected in table
+    assert "start 0.1" not in table  # the entry stamp is the reference, not a phase
+
+    before_ht = _ht_row("dispatch_fp8", 1000.0, 74.0, 71.3)
+    before_ht["phases"] = {"ht_notify": _clocked(blocks_counted=11.4)}
+    table = bench_compare.compare_phases({"rows": [before_ht]}, {"rows": [_ht_row("dispatch_fp8", 950.0, 1, 1)]})
+    assert "| T=4096 dispatch_fp8 | ht_notify | blocks_counted 11.4 → - | 2.0 → - |" in table
+
+
+def test_no_phase_table_without_the_phase_clock():
+    plain = {"rows": [_ll_row("dispatch", 1.0)]}
+    assert bench_compare.compare_phases(plain, plain) == ""
