@@ -75,21 +75,32 @@ def _kernels(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str
     return "; ".join(parts)
 
 
-def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """The Markdown table comparing two summaries of the same benchmark."""
+def _ordered_union(first: Any, second: Any) -> list[Any]:
+    """The items of ``first`` in order, then those of ``second`` that ``first`` lacks."""
+    return list(first) + [item for item in second if item not in first]
+
+
+def _matched_rows(before: dict[str, Any], after: dict[str, Any]) -> tuple[str, list[tuple[Key, Any, Any]]]:
+    """The benchmark kind and (key, before row or None, after row or None) per row key of either
+    side, before's order first. Raises ValueError for results of two different benchmarks."""
     kind, other = _kind(before), _kind(after)
     if kind != other:
         raise ValueError(f"the two files come from different benchmarks ({kind} and {other})")
     rows_before = {_key(kind, row): row for row in before["rows"]}
     rows_after = {_key(kind, row): row for row in after["rows"]}
-    keys = list(rows_before) + [key for key in rows_after if key not in rows_before]
+    keys = _ordered_union(rows_before, rows_after)
+    return kind, [(key, rows_before.get(key), rows_after.get(key)) for key in keys]
+
+
+def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The Markdown table comparing two summaries of the same benchmark."""
+    kind, pairs = _matched_rows(before, after)
     time_header = "graph µs" if kind == "ll" else "µs"
     lines = [
         f"| row | {time_header} before | after | after / before | floor before | after | kernels (µs) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for key in keys:
-        old, new = rows_before.get(key), rows_after.get(key)
+    for key, old, new in pairs:
         old_time = None if old is None else _time(kind, old)
         new_time = None if new is None else _time(kind, new)
         ratio = "-" if old_time is None or new_time is None or old_time == 0 else f"{new_time / old_time:.3f}"
@@ -115,19 +126,15 @@ def _phase_kernels(row: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
 def compare_phases(before: dict[str, Any], after: dict[str, Any]) -> str:
     """The Markdown table of the phase stamps of two summaries ("" when neither has any)."""
-    kind = _kind(before)
-    rows_before = {_key(kind, row): row for row in before["rows"]}
-    rows_after = {_key(kind, row): row for row in after["rows"]}
-    keys = list(rows_before) + [key for key in rows_after if key not in rows_before]
+    kind, pairs = _matched_rows(before, after)
     lines = []
-    for key in keys:
-        sides = [_phase_kernels(rows.get(key)) for rows in (rows_before, rows_after)]
-        for kernel in list(sides[0]) + [name for name in sides[1] if name not in sides[0]]:
+    for key, old, new in pairs:
+        sides = [_phase_kernels(old), _phase_kernels(new)]
+        for kernel in _ordered_union(*sides):
             stamps = [side.get(kernel, {}).get("stamps_us_max_over_ranks", {}) for side in sides]
-            names = list(stamps[0]) + [name for name in stamps[1] if name not in stamps[0]]
             cells = [
                 f"{name} {_number(stamps[0].get(name))} → {_number(stamps[1].get(name))}"
-                for name in names
+                for name in _ordered_union(*stamps)
                 if name != "start"
             ]
             skews = [_number(side.get(kernel, {}).get("start_skew_us")) for side in sides]
