@@ -192,10 +192,15 @@ __device__ __forceinline__ void publish_release_signal(const DeviceView& view, i
 }
 
 // Release of `released` operations of area `area` (window offset `area_offset`) to `peer`.
+// kFenced: the caller has already run a system-scope acq_rel fence after the accesses being
+// released, so a strong relaxed store is enough (a release store would fence again).
+template <bool kFenced = false>
 __device__ __forceinline__ void publish_release(const DeviceView& view, const LowLatencyLayout& layout, int area,
                                                 int64_t area_offset, int peer, int32_t released) {
   if (via_transport(view, peer)) {
     publish_release_signal(view, area, peer, released);
+  } else if constexpr (kFenced) {
+    ptx::st_relaxed_sys(flags_cell(view, peer, layout, area_offset, view.rank), released);
   } else {
     ptx::st_release_sys(flags_cell(view, peer, layout, area_offset, view.rank), released);
   }
@@ -335,12 +340,7 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
       if (peer == view.rank || peer_masked(rank_mask, peer)) continue;
 #pragma unroll
       for (int other = 0; other < kLowLatencyAreas; ++other) {
-        if (via_transport(view, peer)) {
-          publish_release_signal(view, other, peer, released[other]);
-        } else {
-          ptx::st_relaxed_sys(flags_cell(view, peer, layout, ll_offset + layout.area_start(other), view.rank),
-                              released[other]);
-        }
+        publish_release<true>(view, layout, other, ll_offset + layout.area_start(other), peer, released[other]);
       }
     }
   }
