@@ -33,7 +33,7 @@ struct ClockedKernelNames {
 // What each stamp of each kernel marks: the time its CTA (thread 0) reached that point.
 inline constexpr ClockedKernelNames kClockedKernelNames[kPhaseClockKernels] = {
     {"ht_notify",
-     {"start", "blocks_counted", "columns_scanned", "counts_sent", "counts_arrived", "send_bases_arrived",
+     {"start", "blocks_counted", "bases_summed", "counts_sent", "counts_arrived", "send_bases_arrived",
       "counts_written", "bases_added"}},
     {"ht_dispatch", {"start", "entry_barrier", "rows_sent", "grid_synced", "exit_barrier"}},
     {"ll_dispatch_send", {"start", "gate_open", "lists_built", "rows_sent", "arrivals_published", "end"}},

@@ -103,11 +103,15 @@ __device__ __forceinline__ bool rank_barrier(const DeviceView& view, Operation o
 
 // Called by every thread of every CTA of the grid, `slot` < WorkspaceLayout::kNumGridCounters and
 // used by one kernel at a time. Returns false on timeout or an earlier error.
+// kOrderPeerWrites: every thread first fences at system scope, so that writes this CTA made to
+// peer windows are ordered before whatever another CTA publishes to peers after the sync. Without
+// it (a phase that wrote only this GPU's memory) thread 0's acq_rel arrival releases, after the
+// __syncthreads, what the whole CTA wrote (release is cumulative), as cooperative groups' grid sync
+// does; a system fence in every thread waits for each thread's stores to be acknowledged, in series.
+template <bool kOrderPeerWrites = true>
 __device__ __forceinline__ bool grid_sync(const DeviceView& view, Operation operation, int slot) {
   __shared__ int ok_shared;
-  // System-scope fence: writes this CTA made to peer windows are ordered before whatever another
-  // CTA publishes to peers after the sync.
-  __threadfence_system();
+  if constexpr (kOrderPeerWrites) __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t* arrivals = view.local<int32_t>(WorkspaceLayout::grid_counters_offset + int64_t{slot} * 4);

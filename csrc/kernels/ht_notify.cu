@@ -1,16 +1,20 @@
 // HT notify (uncached dispatch): slots by prefix, then the count exchange.
 //
-// 1. Per block of 32 tokens (one warp), shared-memory bitmaps give every (token, expert) and every
-//    (token, destination rank) its ordinal inside the block and the block's counts.
-// 2. Per column (expert or rank), an exclusive scan over blocks turns counts into block bases; the
-//    last row of the scratch holds this rank's totals.
-// 3. Bases are added to the in-block ordinals: expert_slot / dst_slot are then ranks among this
-//    rank's tokens in token order (no atomics, so the receive order is (source, token)).
-// CTA 0 meanwhile exchanges counts through the workspace cells ("count + 1", 0 = not arrived; in
-// direct mode with no entry barrier: the exchange is the gate, see exchange_counts), resets the
-// cells it consumed, and writes the handle's counts and, for a CPU sync, the host-mapped counters
-// with the ready cell last. The other CTAs add the bases (step 1 already wrote the handle's
-// sanitised copy of topk_idx).
+// CTA c owns a contiguous range of 32-token blocks (BlockRange), so the prefix over tokens needs
+// one grid sync, not one per step:
+// 1. Per block (one warp), shared-memory bitmaps give every (token, expert) and every (token,
+//    destination rank) its ordinal inside the block and the block's counts (a scratch row).
+// 2. Per column (expert or rank), each CTA scans its own blocks' rows: a row becomes the block's
+//    exclusive prefix inside the CTA, except the CTA's first row (whose prefix is 0), which takes
+//    the CTA's aggregate instead. One grid sync, with no system fence (only local memory so far).
+// 3. Each CTA sums its predecessors' aggregates per column (its base) and adds base + row to the
+//    in-block ordinals of its own blocks: expert_slot / dst_slot are then ranks among this rank's
+//    tokens in token order (no atomics, so the receive order is (source, token)).
+// CTA 0 (base 0) sums every aggregate into the totals row instead, exchanges counts through the
+// workspace cells ("count + 1", 0 = not arrived; in direct mode with no entry barrier: the
+// exchange is the gate, see exchange_counts), adds its own bases while the peers' counts travel,
+// resets the cells it consumed, and writes the handle's counts and, for a CPU sync, the host-mapped
+// counters with the ready cell last. Step 1 also writes the handle's sanitised copy of topk_idx.
 //
 // Hybrid mode adds one column per node (a token counts once per node holding one of its experts:
 // node_slot = its row in the scale-out stream to that node) and sends the counts for another
@@ -41,6 +45,29 @@ static_assert(kNotifyTokensPerBlock == 32, "one token per lane");
 // Row stride (ints) of a warp's staged expert ids: odd, so that lane t reading entry k of its own
 // row (t * stride + k) hits 32 different banks.
 __host__ __device__ constexpr int staged_id_stride(int num_topk) { return num_topk | 1; }
+
+// The notify's grid: a CTA per kNotifyWarps blocks (one block per warp), at most num_sms, at least
+// one. Fewer CTAs than SMs at small T: fewer aggregates to sum after the grid sync.
+int notify_grid_size(int num_sms, int64_t num_tokens) {
+  const int64_t blocks = (num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+  return static_cast<int>(std::clamp<int64_t>((blocks + kNotifyWarps - 1) / kNotifyWarps, 1, num_sms));
+}
+
+// CTA c owns blocks [first(c), end(c)); CTAs from num_active() on own none.
+struct BlockRange {
+  int num_blocks;
+  int per_cta;  // >= 1
+  __device__ int first(int cta) const { return min(cta * per_cta, num_blocks); }
+  __device__ int end(int cta) const { return min((cta + 1) * per_cta, num_blocks); }
+  __device__ int owner(int block) const { return block / per_cta; }
+  __device__ int num_active() const { return (num_blocks + per_cta - 1) / per_cta; }
+};
+
+__device__ BlockRange block_range(const NotifyArgs& args) {
+  const int num_blocks = (args.num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+  const int grid = static_cast<int>(gridDim.x);
+  return {num_blocks, max(1, (num_blocks + grid - 1) / grid)};
+}
 
 // Phase 1 needs one bitmap word per (warp, column) plus each warp's staged ids (32 tokens x
 // stride); the exchange needs [R] + [E] + 2 x [L] ints.
@@ -108,7 +135,7 @@ __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids,
   }
 }
 
-__device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blocks, int num_columns) {
+__device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const BlockRange& range, int num_columns) {
   const int lane = lane_id();
   const int warp = static_cast<int>(threadIdx.x / 32);
   const HtCall& call = args.call;
@@ -124,7 +151,8 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
   int32_t* my_ids = ids + lane * stride;
   const uint32_t my_bit = 1u << lane;
   const uint32_t lower_lanes = my_bit - 1u;
-  for (int block = blockIdx.x * kNotifyWarps + warp; block < num_blocks; block += gridDim.x * kNotifyWarps) {
+  const int cta = static_cast<int>(blockIdx.x);
+  for (int block = range.first(cta) + warp; block < range.end(cta); block += kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
     stage_block_ids(args, block, ids, stride);  // its __syncwarp also orders the zeroing
     const int token = block * kNotifyTokensPerBlock + lane;
@@ -161,92 +189,118 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, int num_blo
   }
 }
 
-// Exclusive scan over blocks, in place, one column per warp; totals go to row num_blocks. The loads
-// of up to kScanRounds rounds of 32 blocks, for kScanColumns columns of the warp, are issued before
-// the first is scanned: one load after the other was an L2 round trip each, in series (at 8 ranks
-// of 8 SMs a warp has 4 to 5 columns).
-constexpr int kScanRounds = 8;
-constexpr int kScanColumns = 2;
+// Step 2, per CTA over its own blocks: row -> exclusive prefix inside the CTA; the first row (prefix
+// 0) -> the CTA's aggregate. One thread per column; kScanLoads rows' loads in flight at a time.
+constexpr int kScanLoads = 8;
 
-__device__ void scan_columns(const NotifyArgs& args, int num_blocks, int num_columns) {
-  const int lane = lane_id();
-  const int warp = static_cast<int>(blockIdx.x * kNotifyWarps + threadIdx.x / 32);
-  const int num_warps = static_cast<int>(gridDim.x) * kNotifyWarps;
-  for (int first_column = warp; first_column < num_columns; first_column += num_warps * kScanColumns) {
-    int running[kScanColumns] = {};
-    for (int first = 0; first < num_blocks; first += 32 * kScanRounds) {
-      int values[kScanColumns][kScanRounds];
+__device__ void scan_own_blocks(const NotifyArgs& args, const BlockRange& range, int num_columns) {
+  const int cta = static_cast<int>(blockIdx.x);
+  const int first = range.first(cta);
+  const int end = range.end(cta);
+  if (first == end) return;
+  for (int column = threadIdx.x; column < num_columns; column += blockDim.x) {
+    int32_t running = 0;
+    for (int chunk = first; chunk < end; chunk += kScanLoads) {
+      int32_t values[kScanLoads];
 #pragma unroll
-      for (int c = 0; c < kScanColumns; ++c) {
-        const int column = first_column + c * num_warps;
-#pragma unroll
-        for (int round = 0; round < kScanRounds; ++round) {
-          const int block = first + round * 32 + lane;
-          // Written by other CTAs before the grid sync: read through L2.
-          values[c][round] = column < num_columns && block < num_blocks
-                                 ? __ldcg(args.scratch + int64_t{block} * num_columns + column)
-                                 : 0;
-        }
+      for (int u = 0; u < kScanLoads; ++u) {
+        // Rows of other warps of this CTA (before the __syncthreads): read through L2.
+        values[u] = chunk + u < end ? __ldcg(args.scratch + int64_t{chunk + u} * num_columns + column) : 0;
       }
 #pragma unroll
-      for (int c = 0; c < kScanColumns; ++c) {
-        const int column = first_column + c * num_warps;
-        if (column >= num_columns) break;  // warp-uniform
-#pragma unroll
-        for (int round = 0; round < kScanRounds; ++round) {
-          if (first + round * 32 >= num_blocks) break;  // warp-uniform
-          const int block = first + round * 32 + lane;
-          const int inclusive = warp_inclusive_sum(values[c][round]);
-          if (block < num_blocks)
-            args.scratch[int64_t{block} * num_columns + column] = running[c] + inclusive - values[c][round];
-          running[c] += __shfl_sync(kFullMask, inclusive, 31);
-        }
+      for (int u = 0; u < kScanLoads; ++u) {
+        const int block = chunk + u;
+        if (block >= end) break;
+        if (block != first) args.scratch[int64_t{block} * num_columns + column] = running;
+        running += values[u];
       }
     }
-#pragma unroll
-    for (int c = 0; c < kScanColumns; ++c) {
-      const int column = first_column + c * num_warps;
-      if (lane == 0 && column < num_columns) args.scratch[int64_t{num_blocks} * num_columns + column] = running[c];
-    }
+    args.scratch[int64_t{first} * num_columns + column] = running;
   }
 }
 
-__device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t first_thread, int64_t num_threads) {
+// Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base, or with every
+// active CTA the totals). One thread per column, kScanLoads loads in flight.
+__device__ void sum_aggregates(const NotifyArgs& args, const BlockRange& range, int num_columns, int num_ctas,
+                               int32_t* out) {
+  for (int column = threadIdx.x; column < num_columns; column += blockDim.x) {
+    int32_t sum = 0;
+    for (int chunk = 0; chunk < num_ctas; chunk += kScanLoads) {
+      int32_t values[kScanLoads];
+#pragma unroll
+      for (int u = 0; u < kScanLoads; ++u) {
+        // Written by other CTAs before the grid sync: read through L2.
+        values[u] =
+            chunk + u < num_ctas ? __ldcg(args.scratch + int64_t{range.first(chunk + u)} * num_columns + column) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kScanLoads; ++u) sum += values[u];
+    }
+    out[column] = sum;
+  }
+}
+
+// The exclusive prefix of `column` over all blocks before `block` (block == num_blocks: the total);
+// CTA 0 after it wrote the totals row.
+__device__ int32_t block_prefix(const NotifyArgs& args, const BlockRange& range, int num_columns, int block,
+                                int64_t column) {
+  if (block >= range.num_blocks) return __ldcg(args.scratch + int64_t{range.num_blocks} * num_columns + column);
+  const int owner = range.owner(block);
+  int32_t prefix = block == range.first(owner) ? 0 : __ldcg(args.scratch + int64_t{block} * num_columns + column);
+  for (int cta = 0; cta < owner; ++cta)
+    prefix += __ldcg(args.scratch + int64_t{range.first(cta)} * num_columns + column);
+  return prefix;
+}
+
+// Step 3 for this CTA's own tokens: ordinal + base (this CTA's, in shared memory; nullptr for CTA 0)
+// + the block's prefix inside the CTA (0 for the CTA's first block).
+__device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range, int num_columns, const int32_t* base) {
   const HtCall& call = args.call;
   const int num_experts = call.num_experts;
   const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
-  const int64_t num_entries = int64_t{args.num_tokens} * num_topk;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int first_block = range.first(cta);
+  const int64_t first_token = int64_t{first_block} * kNotifyTokensPerBlock;
+  const int64_t end_token = min(int64_t{range.end(cta)} * kNotifyTokensPerBlock, int64_t{args.num_tokens});
+  const int64_t end_entry = end_token * num_topk;
+  const int64_t stride = blockDim.x;
+  // The row of a block's prefix inside the CTA (nullptr for the CTA's first block, prefix 0).
+  const auto prefix_row = [&](int64_t token) -> const int32_t* {
+    const int64_t block = token / kNotifyTokensPerBlock;
+    return block == first_block ? nullptr : args.scratch + block * num_columns;
+  };
+  const auto offset = [&](const int32_t* row, int64_t column) {
+    return (row != nullptr ? __ldcg(row + column) : 0) + (base != nullptr ? base[column] : 0);
+  };
   // kBaseEntries entries per thread at a time, every load of the batch issued before its first
-  // store (entry by entry, each one's loads waited for the previous one's stores). 16 instead of 4
-  // made no difference at 2 or 8 ranks on one H200.
+  // store (entry by entry, each one's loads waited for the previous one's stores).
   constexpr int kBaseEntries = 4;
-  for (int64_t first = first_thread; first < num_entries; first += num_threads * kBaseEntries) {
+  for (int64_t first = first_token * num_topk + threadIdx.x; first < end_entry; first += stride * kBaseEntries) {
     int expert[kBaseEntries];
     int32_t expert_slot[kBaseEntries];
     int32_t dst_slot[kBaseEntries];
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
-      const int64_t entry = first + b * num_threads;
+      const int64_t entry = first + b * stride;
       expert[b] = -1;
-      if (entry >= num_entries) continue;
-      // The routing as count_blocks sanitised it (it also wrote the handle's copy).
-      expert[b] =
-          routed_expert(args.topk_idx, num_topk, entry / num_topk, static_cast<int>(entry % num_topk), num_experts);
+      if (entry >= end_entry) continue;
+      // The routing as count_blocks sanitised it (this CTA wrote it, before the grid sync).
+      expert[b] = static_cast<int>(__ldcg(args.topk_idx_copy + entry));
       expert_slot[b] = __ldcg(args.expert_slot + entry);
       dst_slot[b] = __ldcg(args.dst_slot + entry);
     }
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
-      const int64_t entry = first + b * num_threads;
+      const int64_t entry = first + b * stride;
       if (expert[b] < 0) continue;
-      const int32_t* bases = args.scratch + entry / num_topk / kNotifyTokensPerBlock * num_columns;
-      expert_slot[b] += __ldcg(bases + expert[b]);
-      if (dst_slot[b] >= 0) dst_slot[b] += __ldcg(bases + num_experts + expert[b] / num_local);
+      const int32_t* row = prefix_row(entry / num_topk);
+      expert_slot[b] += offset(row, expert[b]);
+      if (dst_slot[b] >= 0) dst_slot[b] += offset(row, num_experts + expert[b] / num_local);
     }
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
-      const int64_t entry = first + b * num_threads;
+      const int64_t entry = first + b * stride;
       if (expert[b] < 0) continue;
       args.expert_slot[entry] = expert_slot[b];
       if (dst_slot[b] >= 0) args.dst_slot[entry] = dst_slot[b];
@@ -255,11 +309,10 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
   if (!call.hybrid()) return;
   const int num_nodes = call.num_nodes();
   const int64_t node_column = num_experts + call.num_ranks();
-  for (int64_t item = first_thread; item < int64_t{args.num_tokens} * num_nodes; item += num_threads) {
+  for (int64_t item = first_token * num_nodes + threadIdx.x; item < end_token * num_nodes; item += stride) {
     const int32_t slot = __ldcg(args.hybrid.node_slot + item);
     if (slot < 0) continue;
-    const int64_t block = item / num_nodes / kNotifyTokensPerBlock;
-    args.hybrid.node_slot[item] = slot + __ldcg(args.scratch + block * num_columns + node_column + item % num_nodes);
+    args.hybrid.node_slot[item] = slot + offset(prefix_row(item / num_nodes), node_column + item % num_nodes);
   }
 }
 
@@ -268,7 +321,7 @@ __device__ void add_block_bases(const NotifyArgs& args, int num_columns, int64_t
 // published into its node-mates' cells. Message to node m: [S rank counts][S x L expert counts]
 // [C + 1 row prefix of the scale-out stream to m, per channel]. Returns false on a timeout.
 __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* totals, int num_columns,
-                                         int num_blocks) {
+                                         const BlockRange& range) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   const int node = call.node_of(view.rank);
@@ -292,8 +345,8 @@ __device__ bool exchange_scaleout_counts(const NotifyArgs& args, const int32_t* 
       message[scaleup + index] = __ldcg(totals + int64_t{m} * scaleup * num_local + index);
     }
     for (int channel = threadIdx.x; channel <= num_channels; channel += blockDim.x) {
-      const int64_t block = min(int64_t{channel} * blocks_per_channel, int64_t{num_blocks});
-      message[scaleup + scaleup * num_local + channel] = __ldcg(args.scratch + block * num_columns + node_column + m);
+      const int block = static_cast<int>(min(int64_t{channel} * blocks_per_channel, int64_t{range.num_blocks}));
+      message[scaleup + scaleup * num_local + channel] = block_prefix(args, range, num_columns, block, node_column + m);
     }
   }
   __syncthreads();
@@ -414,9 +467,11 @@ __device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_
   return failed == 0;
 }
 
-// CTA 0. Returns false on a timeout (recorded; the host sees it).
-__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int num_columns, int num_blocks,
-                                int32_t* recv_per_source, int32_t* per_source_expert) {
+// CTA 0. `while_waiting` runs once this rank's counts are sent, before it waits for its peers'.
+// Returns false on a timeout (recorded; the host sees it).
+template <typename WhileWaiting>
+__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int num_columns, const BlockRange& range,
+                                int32_t* recv_per_source, int32_t* per_source_expert, WhileWaiting&& while_waiting) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   const int num_ranks = view.num_ranks;
@@ -461,7 +516,8 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
                         __ldcg(totals + num_experts + dest) + 1);
   }
   clock_phase(view, ClockedKernel::kHtNotify, 3);
-  if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, num_blocks)) return false;
+  while_waiting();
+  if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, range)) return false;
 
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
     // The cell is cleared on read; the source writes it again only in its next notify, after this
@@ -553,15 +609,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   const int num_experts = args.call.num_experts;
   const int num_ranks = args.view.num_ranks;
   const int num_columns = notify_columns(args.call);
-  const int num_blocks = (args.num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+  const BlockRange range = block_range(args);
 
   clock_phase(args.view, ClockedKernel::kHtNotify, 0);
-  count_blocks(args, reinterpret_cast<uint32_t*>(smem), num_blocks, num_columns);
-  if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
+  count_blocks(args, reinterpret_cast<uint32_t*>(smem), range, num_columns);
+  __syncthreads();  // the CTA's rows are complete
+  scan_own_blocks(args, range, num_columns);
+  if (!grid_sync<false>(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
   clock_phase(args.view, ClockedKernel::kHtNotify, 1);
-  scan_columns(args, num_blocks, num_columns);
-  if (!grid_sync(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
-  clock_phase(args.view, ClockedKernel::kHtNotify, 2);
 
   if (blockIdx.x == 0) {
     const int num_local = num_experts / num_ranks;
@@ -569,18 +624,27 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     int32_t* per_source_expert = recv_per_source + num_ranks;
     int32_t* unaligned = per_source_expert + num_experts;
     int32_t* aligned = unaligned + num_local;
-    const int32_t* totals = args.scratch + int64_t{num_blocks} * num_columns;
-    if (exchange_counts(args, totals, num_columns, num_blocks, recv_per_source, per_source_expert)) {
+    int32_t* totals = args.scratch + int64_t{range.num_blocks} * num_columns;
+    sum_aggregates(args, range, num_columns, range.num_active(), totals);
+    __syncthreads();
+    clock_phase(args.view, ClockedKernel::kHtNotify, 2);
+    const auto add_own_bases = [&] {
+      add_block_bases(args, range, num_columns, nullptr);  // CTA 0's base is 0
+      clock_phase(args.view, ClockedKernel::kHtNotify, 7);
+    };
+    if (exchange_counts(args, totals, num_columns, range, recv_per_source, per_source_expert, add_own_bases)) {
       if (args.send_base != nullptr) clock_phase(args.view, ClockedKernel::kHtNotify, 5);
       write_counts(args, recv_per_source, per_source_expert, unaligned, aligned);
       clock_phase(args.view, ClockedKernel::kHtNotify, 6);
     }
-    if (gridDim.x > 1) return;
+    return;
   }
-  // CTA 0 is busy with the exchange when there are others.
-  const int64_t helpers = gridDim.x > 1 ? gridDim.x - 1 : 1;
-  const int64_t helper = gridDim.x > 1 ? blockIdx.x - 1 : 0;
-  add_block_bases(args, num_columns, helper * blockDim.x + threadIdx.x, helpers * blockDim.x);
+  if (static_cast<int>(blockIdx.x) >= range.num_active()) return;
+  int32_t* base = smem;  // the count phase is done with shared memory (grid_sync's __syncthreads)
+  sum_aggregates(args, range, num_columns, static_cast<int>(blockIdx.x), base);
+  __syncthreads();
+  clock_phase(args.view, ClockedKernel::kHtNotify, 2);
+  add_block_bases(args, range, num_columns, base);
   clock_phase(args.view, ClockedKernel::kHtNotify, 7);
 }
 
@@ -603,7 +667,7 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
     EP_CUDA_CHECK(
         cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  notify_kernel<<<args.num_sms, kNotifyThreads, smem, stream>>>(args);
+  notify_kernel<<<notify_grid_size(args.num_sms, args.num_tokens), kNotifyThreads, smem, stream>>>(args);
   EP_CHECK_LAUNCH("ht notify_kernel");
 }
 

@@ -29,7 +29,7 @@ LL_TOPK = 8
 # stamps of the same CTAs are compared: those of every CTA, and those of CTA 0 alone (the count
 # exchange, the exit barrier), whose CTA may be past them before another CTA stamps its last
 # all-CTA phase.
-NOTIFY_ORDER = ("start", "blocks_counted", "columns_scanned")
+NOTIFY_ORDER = ("start", "blocks_counted", "bases_summed")
 NOTIFY_CTA0_ORDER = ("counts_sent", "counts_arrived", "counts_written")
 DISPATCH_ORDER = ("start", "rows_sent", "grid_synced")
 CACHED_DISPATCH_ORDER = ("start", "entry_barrier", "rows_sent", "grid_synced")
