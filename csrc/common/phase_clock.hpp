@@ -22,7 +22,7 @@ enum class ClockedKernel : int32_t {
 
 constexpr int kPhaseClockKernels = static_cast<int>(ClockedKernel::kLlCombineRecv) + 1;
 constexpr int kPhaseClockCtas = 160;  // stamps of CTAs beyond this are not kept
-constexpr int kPhaseClockStamps = 8;
+constexpr int kPhaseClockStamps = 10;
 constexpr int64_t kPhaseClockEntries = int64_t{kPhaseClockKernels} * kPhaseClockCtas * kPhaseClockStamps;
 
 struct ClockedKernelNames {
@@ -34,7 +34,7 @@ struct ClockedKernelNames {
 inline constexpr ClockedKernelNames kClockedKernelNames[kPhaseClockKernels] = {
     {"ht_notify",
      {"start", "blocks_counted", "bases_summed", "counts_sent", "counts_arrived", "send_bases_arrived",
-      "counts_written", "bases_added"}},
+      "counts_written", "bases_added", "ids_staged", "own_blocks_scanned"}},
     {"ht_dispatch", {"start", "entry_barrier", "rows_sent", "grid_synced", "exit_barrier"}},
     {"ll_dispatch_send", {"start", "gate_open", "lists_built", "rows_sent", "arrivals_published", "end"}},
     {"ll_dispatch_recv", {"start", "counts_arrived", "rows_copied"}},

@@ -12,9 +12,10 @@
 //    tokens in token order (no atomics, so the receive order is (source, token)).
 // CTA 0 (base 0) sums every aggregate into the totals row instead, exchanges counts through the
 // workspace cells ("count + 1", 0 = not arrived; in direct mode with no entry barrier: the
-// exchange is the gate, see exchange_counts), adds its own bases while the peers' counts travel,
-// resets the cells it consumed, and writes the handle's counts and, for a CPU sync, the host-mapped
-// counters with the ready cell last. Step 1 also writes the handle's sanitised copy of topk_idx.
+// exchange is the gate, see exchange_counts), resets the cells it consumed, and writes the handle's
+// counts and, for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs
+// share CTA 0's step 3 (a lone CTA 0 does it while the peers' counts travel). Step 1 also writes
+// the handle's sanitised copy of topk_idx.
 //
 // Hybrid mode adds one column per node (a token counts once per node holding one of its experts:
 // node_slot = its row in the scale-out stream to that node) and sends the counts for another
@@ -155,6 +156,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
   for (int block = range.first(cta) + warp; block < range.end(cta); block += kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
     stage_block_ids(args, block, ids, stride);  // its __syncwarp also orders the zeroing
+    if (block == range.first(cta)) clock_phase(args.view, ClockedKernel::kHtNotify, 8);
     const int token = block * kNotifyTokensPerBlock + lane;
     const bool has_token = token < args.num_tokens;
     uint32_t first_of_rank = 0;  // bit k: entry k is the token's first on its rank
@@ -252,19 +254,20 @@ __device__ int32_t block_prefix(const NotifyArgs& args, const BlockRange& range,
   return prefix;
 }
 
-// Step 3 for this CTA's own tokens: ordinal + base (this CTA's, in shared memory; nullptr for CTA 0)
-// + the block's prefix inside the CTA (0 for the CTA's first block).
-__device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range, int num_columns, const int32_t* base) {
+// Step 3 for the tokens of CTA `cta`: ordinal + base (that CTA's, in this CTA's shared memory;
+// nullptr for CTA 0, whose base is 0) + the block's prefix inside that CTA (0 for its first block).
+// Thread `thread` of `num_threads` takes every num_threads-th entry.
+__device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range, int num_columns, int cta,
+                                const int32_t* base, int64_t thread, int64_t num_threads) {
   const HtCall& call = args.call;
   const int num_experts = call.num_experts;
   const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
-  const int cta = static_cast<int>(blockIdx.x);
   const int first_block = range.first(cta);
   const int64_t first_token = int64_t{first_block} * kNotifyTokensPerBlock;
   const int64_t end_token = min(int64_t{range.end(cta)} * kNotifyTokensPerBlock, int64_t{args.num_tokens});
   const int64_t end_entry = end_token * num_topk;
-  const int64_t stride = blockDim.x;
+  const int64_t stride = num_threads;
   // The row of a block's prefix inside the CTA (nullptr for the CTA's first block, prefix 0).
   const auto prefix_row = [&](int64_t token) -> const int32_t* {
     const int64_t block = token / kNotifyTokensPerBlock;
@@ -276,7 +279,7 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
   // kBaseEntries entries per thread at a time, every load of the batch issued before its first
   // store (entry by entry, each one's loads waited for the previous one's stores).
   constexpr int kBaseEntries = 4;
-  for (int64_t first = first_token * num_topk + threadIdx.x; first < end_entry; first += stride * kBaseEntries) {
+  for (int64_t first = first_token * num_topk + thread; first < end_entry; first += stride * kBaseEntries) {
     int expert[kBaseEntries];
     int32_t expert_slot[kBaseEntries];
     int32_t dst_slot[kBaseEntries];
@@ -309,7 +312,7 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
   if (!call.hybrid()) return;
   const int num_nodes = call.num_nodes();
   const int64_t node_column = num_experts + call.num_ranks();
-  for (int64_t item = first_token * num_nodes + threadIdx.x; item < end_token * num_nodes; item += stride) {
+  for (int64_t item = first_token * num_nodes + thread; item < end_token * num_nodes; item += stride) {
     const int32_t slot = __ldcg(args.hybrid.node_slot + item);
     if (slot < 0) continue;
     args.hybrid.node_slot[item] = slot + offset(prefix_row(item / num_nodes), node_column + item % num_nodes);
@@ -610,15 +613,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   const int num_ranks = args.view.num_ranks;
   const int num_columns = notify_columns(args.call);
   const BlockRange range = block_range(args);
+  const int cta = static_cast<int>(blockIdx.x);
+  // CTA 0's tokens get their bases from the other active CTAs (base 0: only the prefix rows, which
+  // the grid sync published), so CTA 0 goes straight from the totals to the count exchange; alone,
+  // it adds them itself while the peers' counts travel.
+  const int helpers = range.num_active() - 1;
 
   clock_phase(args.view, ClockedKernel::kHtNotify, 0);
   count_blocks(args, reinterpret_cast<uint32_t*>(smem), range, num_columns);
   __syncthreads();  // the CTA's rows are complete
   scan_own_blocks(args, range, num_columns);
+  clock_phase(args.view, ClockedKernel::kHtNotify, 9);
   if (!grid_sync<false>(args.view, Operation::kHtNotify, kGridSlotNotify)) return;
   clock_phase(args.view, ClockedKernel::kHtNotify, 1);
 
-  if (blockIdx.x == 0) {
+  if (cta == 0) {
     const int num_local = num_experts / num_ranks;
     int32_t* recv_per_source = smem;
     int32_t* per_source_expert = recv_per_source + num_ranks;
@@ -629,7 +638,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     __syncthreads();
     clock_phase(args.view, ClockedKernel::kHtNotify, 2);
     const auto add_own_bases = [&] {
-      add_block_bases(args, range, num_columns, nullptr);  // CTA 0's base is 0
+      if (helpers > 0) return;
+      add_block_bases(args, range, num_columns, 0, nullptr, threadIdx.x, blockDim.x);
       clock_phase(args.view, ClockedKernel::kHtNotify, 7);
     };
     if (exchange_counts(args, totals, num_columns, range, recv_per_source, per_source_expert, add_own_bases)) {
@@ -639,12 +649,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     }
     return;
   }
-  if (static_cast<int>(blockIdx.x) >= range.num_active()) return;
+  if (cta > helpers) return;
   int32_t* base = smem;  // the count phase is done with shared memory (grid_sync's __syncthreads)
-  sum_aggregates(args, range, num_columns, static_cast<int>(blockIdx.x), base);
+  sum_aggregates(args, range, num_columns, cta, base);
   __syncthreads();
   clock_phase(args.view, ClockedKernel::kHtNotify, 2);
-  add_block_bases(args, range, num_columns, base);
+  add_block_bases(args, range, num_columns, cta, base, threadIdx.x, blockDim.x);
+  add_block_bases(args, range, num_columns, 0, nullptr, int64_t{cta - 1} * blockDim.x + threadIdx.x,
+                  int64_t{helpers} * blockDim.x);
   clock_phase(args.view, ClockedKernel::kHtNotify, 7);
 }
 
