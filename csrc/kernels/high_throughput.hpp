@@ -82,7 +82,8 @@ constexpr CountsLayout counts_layout(int num_ranks, int num_local_experts) {
 }
 
 // Notify scratch: per block of 32 tokens one row of [E experts | R ranks | N nodes] counts (turned
-// into exclusive bases in place), plus one row of totals. Direct mode has no node columns.
+// in place into the block's prefix inside its CTA's range, or, for a range's first block, the
+// range's aggregate: ht_notify.cu), plus one row of totals. Direct mode has no node columns.
 constexpr int kNotifyTokensPerBlock = 32;
 EP_HOST_DEVICE constexpr int notify_columns(const HtCall& call) {
   return call.num_experts + call.num_ranks() + (call.hybrid() ? call.num_nodes() : 0);
