@@ -288,7 +288,7 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
       const int64_t entry = first + b * stride;
       expert[b] = -1;
       if (entry >= end_entry) continue;
-      // The routing as count_blocks sanitised it (this CTA wrote it, before the grid sync).
+      // The routing as count_blocks sanitised it (CTA `cta` wrote it, before the grid sync).
       expert[b] = static_cast<int>(__ldcg(args.topk_idx_copy + entry));
       expert_slot[b] = __ldcg(args.expert_slot + entry);
       dst_slot[b] = __ldcg(args.dst_slot + entry);
