@@ -88,14 +88,17 @@ constexpr int kNotifyTokensPerBlock = 32;
 EP_HOST_DEVICE constexpr int notify_columns(const HtCall& call) {
   return call.num_experts + call.num_ranks() + (call.hybrid() ? call.num_nodes() : 0);
 }
+EP_HOST_DEVICE constexpr int64_t notify_blocks(int64_t num_tokens) {
+  return (num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+}
 EP_HOST_DEVICE constexpr int64_t notify_scratch_ints(const HtCall& call, int64_t num_tokens) {
-  return ((num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock + 1) * notify_columns(call);
+  return (notify_blocks(num_tokens) + 1) * notify_columns(call);
 }
 
 // Hybrid mode: an own token's channel (the stream of scale-out rows its sender CTA signals) is its
 // range of whole notify blocks: channel c holds tokens [c * tokens_per_channel, ...).
 EP_HOST_DEVICE constexpr int64_t channel_tokens(int64_t num_tokens, int num_channels) {
-  const int64_t blocks = (num_tokens + kNotifyTokensPerBlock - 1) / kNotifyTokensPerBlock;
+  const int64_t blocks = notify_blocks(num_tokens);
   const int64_t per_channel = (blocks + num_channels - 1) / num_channels;
   return (per_channel > 0 ? per_channel : 1) * kNotifyTokensPerBlock;
 }
