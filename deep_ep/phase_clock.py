@@ -2,7 +2,7 @@
 
 With ``EP_PHASE_CLOCK=1`` in the environment when a buffer is built, the notify, HT dispatch and
 LL kernels stamp the GPU's global nanosecond timer at the boundaries of their phases, per CTA,
-into host-mapped memory. Off (the default) a stamp is one skipped branch.
+into device memory (an L2 write each). Off (the default) a stamp is one skipped branch.
 
 ``read(buffer)`` returns, per kernel that ran since the last read, the kernel's first CTA entry
 (``start_ns``, GPU clock) and for every phase the time the *last* CTA reached it, in µs after

@@ -41,7 +41,7 @@ struct DeviceView {
   ErrorRecord* error = nullptr;          // host-mapped, device pointer
   uint64_t timeout_ns = 0;               // deadline of every device spin-wait
   ScaleoutView scaleout;                 // hybrid mode's transport to other nodes
-  uint64_t* phase_clock = nullptr;       // host-mapped phase stamps (common/phase_clock.hpp); null: off
+  uint64_t* phase_clock = nullptr;       // device phase stamps (common/phase_clock.hpp); null: off
 
 #if defined(__CUDACC__)
   // Byte `offset` of this rank's window.

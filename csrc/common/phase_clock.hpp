@@ -1,5 +1,6 @@
 // Phase clock (opt-in, for profiling): kernels stamp the GPU's global nanosecond timer at the
-// boundaries of their phases, per CTA, into host-mapped memory the runtime owns. Off (the default),
+// boundaries of their phases, per CTA, into device memory the runtime owns
+// (read back with a copy after the device is idle). Off (the default),
 // DeviceView::phase_clock is null and a stamp costs one predicated branch.
 //
 // Layout: [kernel][CTA][stamp] uint64 nanoseconds, 0 = not reached. Stamp 0 of every kernel is its

@@ -79,11 +79,11 @@ void Runtime::create_resources() {
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
   EP_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
   if (config_.phase_clock) {
-    EP_CUDA_CHECK(
-        cudaHostAlloc(&mapped, sizeof(uint64_t) * kPhaseClockEntries, cudaHostAllocMapped | cudaHostAllocPortable));
-    phase_clock_host_ = static_cast<volatile uint64_t*>(mapped);
-    for (int64_t i = 0; i < kPhaseClockEntries; ++i) phase_clock_host_[i] = 0;
-    EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&view_.phase_clock), mapped, 0));
+    // Device memory, not host-mapped: a stamp is then an L2 write, and the system-scope fences that
+    // follow stamps in the kernels (count releases, the host-mapped ready flag) never wait for
+    // stamps crossing PCIe.
+    EP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&view_.phase_clock), sizeof(uint64_t) * kPhaseClockEntries));
+    EP_CUDA_CHECK(cudaMemset(view_.phase_clock, 0, sizeof(uint64_t) * kPhaseClockEntries));
   }
 
   if (config_.backend == BackendKind::kIpc) {
@@ -296,16 +296,18 @@ int32_t Runtime::wait_mapped_counter(int index) const {
 }
 
 std::vector<uint64_t> Runtime::read_phase_clock(bool reset) {
-  if (phase_clock_host_ == nullptr) {
+  if (view_.phase_clock == nullptr) {
     throw std::logic_error("this buffer has no phase clock (construct it with EP_PHASE_CLOCK=1 in the environment)");
   }
-  std::atomic_thread_fence(std::memory_order_acquire);
   std::vector<uint64_t> stamps(static_cast<size_t>(kPhaseClockEntries));
-  for (int64_t i = 0; i < kPhaseClockEntries; ++i) {
-    stamps[i] = phase_clock_host_[i];
-    if (reset) phase_clock_host_[i] = 0;
+  // Synchronous copy after the whole device is idle: the caller's streams need not be the legacy
+  // default stream's dependants.
+  EP_CUDA_CHECK(cudaDeviceSynchronize());
+  EP_CUDA_CHECK(cudaMemcpy(stamps.data(), view_.phase_clock, sizeof(uint64_t) * stamps.size(), cudaMemcpyDeviceToHost));
+  if (reset) {
+    EP_CUDA_CHECK(cudaMemset(view_.phase_clock, 0, sizeof(uint64_t) * stamps.size()));
+    EP_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
   return stamps;
 }
 
@@ -341,8 +343,7 @@ void Runtime::destroy() {
   if (mapped_counters_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(mapped_counters_host_));
   mapped_counters_host_ = nullptr;
   mapped_counters_device_ = nullptr;
-  if (phase_clock_host_ != nullptr) cudaFreeHost(const_cast<uint64_t*>(phase_clock_host_));
-  phase_clock_host_ = nullptr;
+  if (view_.phase_clock != nullptr) cudaFree(view_.phase_clock);
   view_.phase_clock = nullptr;
   if (join_event_ != nullptr) cudaEventDestroy(join_event_);
   join_event_ = nullptr;

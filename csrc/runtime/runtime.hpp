@@ -48,7 +48,7 @@ struct RuntimeConfig {
   ScaleoutKind scaleout = ScaleoutKind::kLsa;
   // LL reaches the ranks of other nodes (groups of num_scaleup_ranks) through `scaleout` too.
   bool ll_scaleout = false;
-  // Kernels stamp their phases into host-mapped memory (profiling; common/phase_clock.hpp).
+  // Kernels stamp their phases into device memory the runtime owns (profiling; common/phase_clock.hpp).
   bool phase_clock = false;
 };
 
@@ -118,7 +118,7 @@ class Runtime {
   int32_t wait_mapped_counter(int index) const;
 
   // The phase clock's stamps ([kernel][CTA][stamp] ns, 0 = not reached; common/phase_clock.hpp),
-  // read after the caller synchronised the kernels; `reset` zeroes them for the next call. Throws
+  // copied after a device synchronisation; `reset` zeroes them for the next call. Throws
   // std::logic_error when the runtime was built without a phase clock.
   std::vector<uint64_t> read_phase_clock(bool reset);
 
@@ -147,7 +147,6 @@ class Runtime {
   ErrorRecord* error_device_ = nullptr;
   volatile int32_t* mapped_counters_host_ = nullptr;
   int32_t* mapped_counters_device_ = nullptr;
-  volatile uint64_t* phase_clock_host_ = nullptr;
   cudaEvent_t join_event_ = nullptr;
 };
 
