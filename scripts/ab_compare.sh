@@ -23,6 +23,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 SNAPSHOT=ab_before
 SOURCES=(csrc deep_ep tests/cpp CMakeLists.txt pyproject.toml)
+# The ranks find the MPS daemon started around each side through it. Without it (this script run
+# on its own, not from gpu_check.sh) the ranks ran without MPS: the waits cost milliseconds.
+source scripts/mps_env.sh
 
 build() {
   MAX_JOBS=$(nproc) ${PYTHON:-python3} -m pip install --no-build-isolation --no-deps -e . > "$1" 2>&1 || {

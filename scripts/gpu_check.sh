@@ -27,9 +27,7 @@ export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export EP_RESULTS_DIR=$OUT
-# MPS clients find the daemon through this pipe directory: the daemon and every rank must agree.
-export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/mps_pipe}
-export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/mps_log}
+source scripts/mps_env.sh  # the ranks find the MPS daemon through it
 PY=${PYTHON:-python3}
 RANKS=${EP_GPU_CHECK_RANKS:-1,2,4,8}
 TESTS=${EP_GPU_CHECK_TESTS:-tests/gpu}
