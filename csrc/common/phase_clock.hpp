@@ -23,7 +23,7 @@ enum class ClockedKernel : int32_t {
 
 constexpr int kPhaseClockKernels = static_cast<int>(ClockedKernel::kLlCombineRecv) + 1;
 constexpr int kPhaseClockCtas = 160;  // stamps of CTAs beyond this are not kept
-constexpr int kPhaseClockStamps = 10;
+constexpr int kPhaseClockStamps = 14;
 constexpr int64_t kPhaseClockEntries = int64_t{kPhaseClockKernels} * kPhaseClockCtas * kPhaseClockStamps;
 
 struct ClockedKernelNames {
@@ -35,7 +35,8 @@ struct ClockedKernelNames {
 inline constexpr ClockedKernelNames kClockedKernelNames[kPhaseClockKernels] = {
     {"ht_notify",
      {"start", "blocks_counted", "bases_summed", "counts_sent", "counts_arrived", "send_bases_arrived",
-      "counts_written", "bases_added", "ids_staged", "own_blocks_scanned"}},
+      "counts_written", "bases_added", "ids_staged", "own_blocks_scanned", "ids_loaded", "block_counted",
+      "expert_counts_taken", "mapped_counts_stored"}},
     {"ht_dispatch", {"start", "entry_barrier", "rows_sent", "grid_synced", "exit_barrier"}},
     {"ll_dispatch_send", {"start", "gate_open", "lists_built", "rows_sent", "arrivals_published", "end"}},
     {"ll_dispatch_recv", {"start", "counts_arrived", "rows_copied"}},

@@ -87,7 +87,7 @@ size_t notify_smem_bytes(const HtCall& call) {
 // coalesced loads (the block's T x K entries are contiguous), several in flight per lane, instead
 // of each lane walking its own row entry by entry (strided, one round trip after the other).
 // Also writes the handle's sanitised copy of the routing. Called by all 32 lanes.
-__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride) {
+__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, bool stamp) {
   constexpr int kLoadsInFlight = 8;
   const int lane = lane_id();
   const int num_topk = args.call.num_topk;
@@ -114,6 +114,7 @@ __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids,
       ids[(i / num_topk) * stride + i % num_topk] = static_cast<int32_t>(raw[u]);
     }
   }
+  if (stamp) clock_phase(args.view, ClockedKernel::kHtNotify, 10);
   __syncwarp();
   if (lane * num_topk < num_entries) {
     int32_t* row = ids + lane * stride;
@@ -157,8 +158,9 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
   const int cta = static_cast<int>(blockIdx.x);
   for (int block = range.first(cta) + warp; block < range.end(cta); block += kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
-    stage_block_ids(args, block, ids, stride);  // its __syncwarp also orders the zeroing
-    if (block == range.first(cta)) clock_phase(args.view, ClockedKernel::kHtNotify, 8);
+    const bool first_block = block == range.first(cta);
+    stage_block_ids(args, block, ids, stride, first_block);  // its __syncwarp also orders the zeroing
+    if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 8);
     const int token = block * kNotifyTokensPerBlock + lane;
     const bool has_token = token < args.num_tokens;
     uint32_t first_of_rank = 0;  // bit k: entry k is the token's first on its rank
@@ -173,6 +175,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
       }
     }
     __syncwarp();
+    if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 11);
     int32_t* block_row = args.scratch + int64_t{block} * num_columns;
     for (int column = lane; column < num_columns; column += 32) block_row[column] = __popc(expert_bits[column]);
     if (has_token) {
@@ -545,6 +548,7 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
     ptx::st_relaxed_sys(cell, 0);
   }
   __syncthreads();
+  clock_phase(view, ClockedKernel::kHtNotify, 12);
   return args.send_base == nullptr || exchange_send_bases(args, recv_per_source);
 }
 
@@ -605,6 +609,7 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
     mapped[kMappedAlignedExpertCounts + local] = aligned[local];
   }
   __syncthreads();
+  clock_phase(args.view, ClockedKernel::kHtNotify, 13);
   // The release is cumulative over the CTA's mapped stores (ordered before it by the barrier).
   if (threadIdx.x == 0) ptx::st_release_sys(mapped + kMappedReady, 1);
 }

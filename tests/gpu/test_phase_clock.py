@@ -30,7 +30,9 @@ LL_TOPK = 8
 # exchange, the exit barrier), whose CTA may be past them before another CTA stamps its last
 # all-CTA phase.
 NOTIFY_ORDER = ("start", "blocks_counted", "bases_summed")
-NOTIFY_CTA0_ORDER = ("counts_sent", "counts_arrived", "counts_written")
+# Stamped by the CTAs that own 32-token blocks (none on a rank without tokens).
+NOTIFY_COUNT_ORDER = ("start", "ids_loaded", "ids_staged", "block_counted", "own_blocks_scanned")
+NOTIFY_CTA0_ORDER = ("counts_sent", "counts_arrived", "expert_counts_taken", "counts_written")
 DISPATCH_ORDER = ("start", "rows_sent", "grid_synced")
 CACHED_DISPATCH_ORDER = ("start", "entry_barrier", "rows_sent", "grid_synced")
 LL_ORDERS = {
@@ -73,6 +75,8 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
             problems.append(f"uncached dispatch stamped {sorted(uncached)}")
         else:
             _check_order(problems, "notify", uncached["ht_notify"], NOTIFY_ORDER)
+            if inputs.num_tokens[rank] > 0:
+                _check_order(problems, "notify count phase", uncached["ht_notify"], NOTIFY_COUNT_ORDER)
             _check_order(problems, "notify count exchange", uncached["ht_notify"], NOTIFY_CTA0_ORDER)
             _check_order(problems, "uncached dispatch", uncached["ht_dispatch"], DISPATCH_ORDER)
             if uncached["ht_dispatch"]["exit_barrier"] is None:
