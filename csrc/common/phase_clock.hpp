@@ -1,7 +1,7 @@
 // Phase clock (opt-in, for profiling): kernels stamp the GPU's global nanosecond timer at the
-// boundaries of their phases, per CTA, into device memory the runtime owns
-// (read back with a copy after the device is idle). Off (the default),
-// DeviceView::phase_clock is null and a stamp costs one predicated branch.
+// boundaries of their phases, per CTA, into device memory the runtime owns (read back with a copy
+// after the device is idle). Off (the default), DeviceView::phase_clock is null and a stamp costs
+// one predicated branch.
 //
 // Layout: [kernel][CTA][stamp] uint64 nanoseconds, 0 = not reached. Stamp 0 of every kernel is its
 // entry. The global timer is one clock for the whole GPU, so the stamps of ranks sharing a GPU can

@@ -79,9 +79,9 @@ void Runtime::create_resources() {
   EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_counters_device_), mapped, 0));
   EP_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
   if (config_.phase_clock) {
-    // Device memory, not host-mapped: a stamp is then an L2 write, and the system-scope fences that
-    // follow stamps in the kernels (count releases, the host-mapped ready flag) never wait for
-    // stamps crossing PCIe.
+    // Device memory, not host-mapped: a stamp is an L2 write, and the system-scope fences that
+    // follow stamps in the kernels (count releases, the host-mapped ready flag) cannot wait for
+    // stamps crossing PCIe (host-mapped stamps measured no slower in the notify, docs/performance.md).
     EP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&view_.phase_clock), sizeof(uint64_t) * kPhaseClockEntries));
     EP_CUDA_CHECK(cudaMemset(view_.phase_clock, 0, sizeof(uint64_t) * kPhaseClockEntries));
   }
