@@ -8,6 +8,7 @@
 #include "common/geometry.hpp"
 #include "common/ht_call.hpp"
 #include "common/sizing.hpp"
+#include "kernels/high_throughput.hpp"
 
 namespace deep_ep {
 namespace {
@@ -64,6 +65,27 @@ TEST(HighThroughput, HybridAddsScaleoutStagingAndForwardedRows) {
   const int64_t c = combine_token_layout(2048, 8).bytes;
   EXPECT_EQ(layout.combine_bytes, (8 * 2 + 2 + 2) * 1024 * c);  // rows [min(S,K)][N], send [N], partials [min(N,K)]
   EXPECT_EQ(layout.region_bytes % kWindowAlignBytes, 0);
+}
+
+TEST(HighThroughput, NotifyBlocksScratchAndChannelsCoverEveryToken) {
+  // Arguments of make_ht_call: topology, HT offset, T_max, H, K, E, fp8.
+  const HtCall direct = make_ht_call(Topology{8, 8}, 4096, 4096, 512, 8, 256, false);
+  const HtCall hybrid = make_ht_call(Topology{8, 4}, 4096, 4096, 512, 8, 256, false);
+  EXPECT_EQ(ht::notify_columns(direct), 256 + 8);
+  EXPECT_EQ(ht::notify_columns(hybrid), 256 + 8 + 2);  // one column per node
+  for (const int64_t tokens : {int64_t{0}, int64_t{1}, int64_t{31}, int64_t{32}, int64_t{33}, int64_t{4096}}) {
+    const int64_t blocks = ht::notify_blocks(tokens);
+    EXPECT_GE(blocks * ht::kNotifyTokensPerBlock, tokens);
+    EXPECT_LT((blocks - 1) * ht::kNotifyTokensPerBlock, std::max<int64_t>(tokens, 1));
+    // One row per block and the totals row.
+    EXPECT_EQ(ht::notify_scratch_ints(direct, tokens), (blocks + 1) * ht::notify_columns(direct));
+    for (const int channels : {1, 3, 64}) {
+      // Channels are whole blocks and together hold every token.
+      const int64_t per_channel = ht::channel_tokens(tokens, channels);
+      EXPECT_EQ(per_channel % ht::kNotifyTokensPerBlock, 0);
+      EXPECT_GE(per_channel * channels, tokens);
+    }
+  }
 }
 
 TEST(HtCall, DirectAndHybridAddressesFollowTheLayout) {
