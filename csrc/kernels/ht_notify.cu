@@ -82,11 +82,11 @@ size_t notify_smem_bytes(const HtCall& call) {
 }
 
 // A block's routing into the warp's staged ids (`ids`: 32 rows of `stride` ints, row = token of
-// the block), sanitised as routed_expert() would: an id outside [-1, E) is recorded and becomes -1,
-// a repeat of an earlier id in the same row is recorded and becomes -1. The rows are read with
+// the block); an id outside [-1, E) is recorded and becomes -1 (count_blocks then turns a repeat of
+// an earlier id in the same row into -1, as routed_expert() does). The rows are read with
 // coalesced loads (the block's T x K entries are contiguous), several in flight per lane, instead
 // of each lane walking its own row entry by entry (strided, one round trip after the other).
-// Also writes the handle's sanitised copy of the routing. Called by all 32 lanes.
+// Called by all 32 lanes.
 __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, bool stamp) {
   constexpr int kLoadsInFlight = 8;
   const int lane = lane_id();
@@ -116,25 +116,17 @@ __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids,
   }
   if (stamp) clock_phase(args.view, ClockedKernel::kHtNotify, 10);
   __syncwarp();
-  if (lane * num_topk < num_entries) {
-    int32_t* row = ids + lane * stride;
-    for (int k = 1; k < num_topk; ++k) {
-      const int32_t expert = row[k];
-      if (expert < 0) continue;
-      for (int earlier = 0; earlier < k; ++earlier) {
-        if (row[earlier] == expert) {
-          record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kDuplicate, expert, num_experts,
-                                block * kNotifyTokensPerBlock + lane);
-          row[k] = -1;
-          break;
-        }
-      }
-    }
-  }
-  __syncwarp();
-  // Every later kernel (dispatch, cached dispatch, combine) reads this copy: all agree that a bad
-  // or repeated entry is -1, and the caller may reuse topk_idx.
-  for (int i = lane; i < num_entries; i += 32) {
+}
+
+// The handle's sanitised copy of a block's routing, from the staged ids once count_blocks removed
+// the repeats. Every later kernel (dispatch, cached dispatch, combine) reads this copy: all agree
+// that a bad or repeated entry is -1, and the caller may reuse topk_idx. Called by all 32 lanes,
+// after a __syncwarp.
+__device__ void store_routing_copy(const NotifyArgs& args, int block, const int32_t* ids, int stride) {
+  const int num_topk = args.call.num_topk;
+  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
+  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+  for (int i = lane_id(); i < num_entries; i += 32) {
     args.topk_idx_copy[first_entry + i] = ids[(i / num_topk) * stride + i % num_topk];
   }
 }
@@ -168,14 +160,21 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
       for (int k = 0; k < num_topk; ++k) {
         const int expert = my_ids[k];
         if (expert < 0) continue;
-        atomicOr(&expert_bits[expert], my_bit);
-        // Only this lane sets its bit, so the old value says whether an earlier k hit this rank.
+        // Only this lane sets its bit, so the old value says whether an earlier k of this token hit
+        // the same expert (a repeat: recorded, and the entry becomes -1) or the same rank.
+        if ((atomicOr(&expert_bits[expert], my_bit) & my_bit) != 0) {
+          record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kDuplicate, expert, num_experts,
+                                token);
+          my_ids[k] = -1;
+          continue;
+        }
         if ((atomicOr(&rank_bits[expert / num_local], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
         if (num_nodes > 0) atomicOr(&node_bits[call.node_of(expert / num_local)], my_bit);
       }
     }
     __syncwarp();
     if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 11);
+    store_routing_copy(args, block, ids, stride);
     int32_t* block_row = args.scratch + int64_t{block} * num_columns;
     for (int column = lane; column < num_columns; column += 32) block_row[column] = __popc(expert_bits[column]);
     if (has_token) {
