@@ -10,7 +10,7 @@
 // 3. Each CTA sums its predecessors' aggregates per column (its base) and adds base + row to the
 //    in-block ordinals of its own blocks: expert_slot / dst_slot are then ranks among this rank's
 //    tokens in token order (no atomics, so the receive order is (source, token)).
-// CTA 0 (base 0) sums every aggregate into the totals row instead, exchanges counts through the
+// CTA 0 (base 0) sums every aggregate into the totals instead, exchanges counts through the
 // workspace cells ("count + 1", 0 = not arrived; in direct mode with no entry barrier: the
 // exchange is the gate, see exchange_counts), resets the cells it consumed, and writes the handle's
 // counts and, for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs
@@ -27,6 +27,7 @@
 #include <string>
 
 #include "common/cuda_check.hpp"
+#include "common/fast_divisor.hpp"
 #include "common/require.hpp"
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
@@ -72,12 +73,26 @@ __device__ BlockRange block_range(const NotifyArgs& args) {
   return {num_blocks, max(1, (num_blocks + grid - 1) / grid)};
 }
 
+// The scratch: one row of num_columns ints per block, then the totals row. A block's row holds its
+// counts, then (step 2) its exclusive prefix inside its CTA; a CTA's first row holds the CTA's
+// aggregate instead.
+__device__ __forceinline__ int32_t* scratch_row(const NotifyArgs& args, int64_t block, int num_columns) {
+  return args.scratch + block * num_columns;
+}
+__device__ __forceinline__ int32_t* aggregate_row(const NotifyArgs& args, const BlockRange& range, int cta,
+                                                  int num_columns) {
+  return scratch_row(args, range.first(cta), num_columns);
+}
+__device__ __forceinline__ int32_t* totals_row(const NotifyArgs& args, const BlockRange& range, int num_columns) {
+  return scratch_row(args, range.num_blocks, num_columns);
+}
+
 // Phase 1 needs one bitmap word per (warp, column) plus each warp's staged ids (32 tokens x
-// stride); the exchange needs [R] + [E] + 2 x [L] ints.
+// stride); the exchange needs [R] + [E] ints and the totals row.
 size_t notify_smem_bytes(const HtCall& call) {
   const int64_t phase1 =
       int64_t{kNotifyWarps} * (notify_columns(call) + kNotifyTokensPerBlock * staged_id_stride(call.num_topk));
-  const int64_t exchange = call.num_ranks() + call.num_experts + 2 * call.num_local_experts();
+  const int64_t exchange = call.num_ranks() + call.num_experts + notify_columns(call);
   return sizeof(int32_t) * static_cast<size_t>(std::max(phase1, exchange));
 }
 
@@ -87,7 +102,8 @@ size_t notify_smem_bytes(const HtCall& call) {
 // coalesced loads (the block's T x K entries are contiguous), several in flight per lane, instead
 // of each lane walking its own row entry by entry (strided, one round trip after the other).
 // Called by all 32 lanes.
-__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, bool stamp) {
+__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, const FastDivisor& by_topk,
+                                bool stamp) {
   constexpr int kLoadsInFlight = 8;
   const int lane = lane_id();
   const int num_topk = args.call.num_topk;
@@ -105,29 +121,59 @@ __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids,
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int i = first + u * 32 + lane;
       if (i >= num_entries) continue;
-      const int token = block * kNotifyTokensPerBlock + i / num_topk;
+      const int row = by_topk.quotient(i);
       if (raw[u] < -1 || raw[u] >= num_experts) {
         record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kOutOfRange, raw[u], num_experts,
-                              token);
+                              block * kNotifyTokensPerBlock + row);
         raw[u] = -1;
       }
-      ids[(i / num_topk) * stride + i % num_topk] = static_cast<int32_t>(raw[u]);
+      ids[row * stride + i - row * num_topk] = static_cast<int32_t>(raw[u]);
     }
   }
   if (stamp) clock_phase(args.view, ClockedKernel::kHtNotify, 10);
   __syncwarp();
 }
 
+// Entry i of a block's staged rows (32 rows of `stride` ints, one row of num_topk entries per token).
+__device__ __forceinline__ int staged_entry(int i, int stride, int num_topk, const FastDivisor& by_topk) {
+  const int row = by_topk.quotient(i);
+  return row * stride + i - row * num_topk;
+}
+
 // The handle's sanitised copy of a block's routing, from the staged ids once count_blocks removed
 // the repeats. Every later kernel (dispatch, cached dispatch, combine) reads this copy: all agree
 // that a bad or repeated entry is -1, and the caller may reuse topk_idx. Called by all 32 lanes,
 // after a __syncwarp.
-__device__ void store_routing_copy(const NotifyArgs& args, int block, const int32_t* ids, int stride) {
+__device__ void store_routing_copy(const NotifyArgs& args, int block, const int32_t* ids, int stride,
+                                   const FastDivisor& by_topk) {
   const int num_topk = args.call.num_topk;
   const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
   const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
   for (int i = lane_id(); i < num_entries; i += 32) {
-    args.topk_idx_copy[first_entry + i] = ids[(i / num_topk) * stride + i % num_topk];
+    args.topk_idx_copy[first_entry + i] = ids[staged_entry(i, stride, num_topk, by_topk)];
+  }
+}
+
+// A token's in-block ordinals of one entry, in the entry's staged slot once its id is no longer
+// needed: the expert ordinal in the low 16 bits, the destination-rank ordinal in the high 16 (each
+// in [-1, 31]; -1: no expert, or not the token's first entry on that rank).
+__device__ __forceinline__ int32_t pack_ordinals(int expert_ordinal, int rank_ordinal) {
+  return static_cast<int32_t>((static_cast<uint32_t>(rank_ordinal) << 16) |
+                              (static_cast<uint32_t>(expert_ordinal) & 0xffffu));
+}
+
+// Every entry's packed ordinals of a block into expert_slot / dst_slot, in entry order: coalesced
+// stores (a lane storing its own token's K entries touched a 32-byte sector per lane and store).
+// Called by all 32 lanes, after a __syncwarp.
+__device__ void store_block_ordinals(const NotifyArgs& args, int block, const int32_t* ids, int stride,
+                                     const FastDivisor& by_topk) {
+  const int num_topk = args.call.num_topk;
+  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
+  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+  for (int i = lane_id(); i < num_entries; i += 32) {
+    const int32_t packed = ids[staged_entry(i, stride, num_topk, by_topk)];
+    args.expert_slot[first_entry + i] = static_cast<int16_t>(packed & 0xffff);
+    args.dst_slot[first_entry + i] = packed >> 16;
   }
 }
 
@@ -148,10 +194,12 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
   const uint32_t my_bit = 1u << lane;
   const uint32_t lower_lanes = my_bit - 1u;
   const int cta = static_cast<int>(blockIdx.x);
+  const FastDivisor by_topk(num_topk);
+  const FastDivisor by_local(num_local);
   for (int block = range.first(cta) + warp; block < range.end(cta); block += kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
     const bool first_block = block == range.first(cta);
-    stage_block_ids(args, block, ids, stride, first_block);  // its __syncwarp also orders the zeroing
+    stage_block_ids(args, block, ids, stride, by_topk, first_block);  // its __syncwarp also orders the zeroing
     if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 8);
     const int token = block * kNotifyTokensPerBlock + lane;
     const bool has_token = token < args.num_tokens;
@@ -168,22 +216,24 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
           my_ids[k] = -1;
           continue;
         }
-        if ((atomicOr(&rank_bits[expert / num_local], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
-        if (num_nodes > 0) atomicOr(&node_bits[call.node_of(expert / num_local)], my_bit);
+        const int rank = by_local.quotient(expert);
+        if ((atomicOr(&rank_bits[rank], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
+        if (num_nodes > 0) atomicOr(&node_bits[call.node_of(rank)], my_bit);
       }
     }
     __syncwarp();
     if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 11);
-    store_routing_copy(args, block, ids, stride);
-    int32_t* block_row = args.scratch + int64_t{block} * num_columns;
+    store_routing_copy(args, block, ids, stride, by_topk);
+    int32_t* block_row = scratch_row(args, block, num_columns);
     for (int column = lane; column < num_columns; column += 32) block_row[column] = __popc(expert_bits[column]);
+    __syncwarp();  // every lane read the staged ids: each lane may now overwrite its own row
     if (has_token) {
       for (int k = 0; k < num_topk; ++k) {
-        const int64_t entry = int64_t{token} * num_topk + k;
         const int expert = my_ids[k];
-        args.expert_slot[entry] = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
-        args.dst_slot[entry] =
-            ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[expert / num_local] & lower_lanes) : -1;
+        const int expert_ordinal = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
+        const int rank_ordinal =
+            ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[by_local.quotient(expert)] & lower_lanes) : -1;
+        my_ids[k] = pack_ordinals(expert_ordinal, rank_ordinal);
       }
       for (int node = 0; node < num_nodes; ++node) {
         const uint32_t bits = node_bits[node];
@@ -192,6 +242,8 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
       }
     }
     __syncwarp();
+    store_block_ordinals(args, block, ids, stride, by_topk);
+    __syncwarp();  // the next block's staging overwrites the rows
   }
 }
 
@@ -211,38 +263,58 @@ __device__ void scan_own_blocks(const NotifyArgs& args, const BlockRange& range,
 #pragma unroll
       for (int u = 0; u < kScanLoads; ++u) {
         // Rows of other warps of this CTA (before the __syncthreads): read through L2.
-        values[u] = chunk + u < end ? __ldcg(args.scratch + int64_t{chunk + u} * num_columns + column) : 0;
+        values[u] = chunk + u < end ? __ldcg(scratch_row(args, chunk + u, num_columns) + column) : 0;
       }
 #pragma unroll
       for (int u = 0; u < kScanLoads; ++u) {
         const int block = chunk + u;
         if (block >= end) break;
-        if (block != first) args.scratch[int64_t{block} * num_columns + column] = running;
+        if (block != first) scratch_row(args, block, num_columns)[column] = running;
         running += values[u];
       }
     }
-    args.scratch[int64_t{first} * num_columns + column] = running;
+    scratch_row(args, first, num_columns)[column] = running;
   }
 }
 
 // Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base, or with every
-// active CTA the totals). One thread per column, kScanLoads loads in flight.
+// active CTA the totals; `also` != nullptr: stored there too). One thread per column; every load of
+// a thread (up to kAggregateLoads aggregates of each of its columns) is issued before the first
+// sum, so a thread pays one L2 round trip, not one per chunk and column (the totals are on CTA 0's
+// path to the count exchange: 16 CTAs, 8 loads at a time, a second column for 8 threads: four).
+constexpr int kAggregateLoads = 16;
+constexpr int kAggregateColumns = 2;  // per thread at once: E + R columns exceed 256 threads
+
 __device__ void sum_aggregates(const NotifyArgs& args, const BlockRange& range, int num_columns, int num_ctas,
-                               int32_t* out) {
-  for (int column = threadIdx.x; column < num_columns; column += blockDim.x) {
-    int32_t sum = 0;
-    for (int chunk = 0; chunk < num_ctas; chunk += kScanLoads) {
-      int32_t values[kScanLoads];
+                               int32_t* out, int32_t* also = nullptr) {
+  const int stride = static_cast<int>(blockDim.x);
+  for (int first = threadIdx.x; first < num_columns; first += kAggregateColumns * stride) {
+    int32_t sum[kAggregateColumns] = {};
+    for (int chunk = 0; chunk < num_ctas; chunk += kAggregateLoads) {
+      int32_t values[kAggregateColumns][kAggregateLoads];
 #pragma unroll
-      for (int u = 0; u < kScanLoads; ++u) {
-        // Written by other CTAs before the grid sync: read through L2.
-        values[u] =
-            chunk + u < num_ctas ? __ldcg(args.scratch + int64_t{range.first(chunk + u)} * num_columns + column) : 0;
+      for (int c = 0; c < kAggregateColumns; ++c) {
+        const int column = first + c * stride;
+#pragma unroll
+        for (int u = 0; u < kAggregateLoads; ++u) {
+          // Written by other CTAs before the grid sync: read through L2.
+          const bool valid = column < num_columns && chunk + u < num_ctas;
+          values[c][u] = valid ? __ldcg(aggregate_row(args, range, chunk + u, num_columns) + column) : 0;
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kScanLoads; ++u) sum += values[u];
+      for (int c = 0; c < kAggregateColumns; ++c) {
+#pragma unroll
+        for (int u = 0; u < kAggregateLoads; ++u) sum[c] += values[c][u];
+      }
     }
-    out[column] = sum;
+#pragma unroll
+    for (int c = 0; c < kAggregateColumns; ++c) {
+      const int column = first + c * stride;
+      if (column >= num_columns) continue;
+      out[column] = sum[c];
+      if (also != nullptr) also[column] = sum[c];
+    }
   }
 }
 
@@ -250,11 +322,10 @@ __device__ void sum_aggregates(const NotifyArgs& args, const BlockRange& range, 
 // CTA 0 after it wrote the totals row.
 __device__ int32_t block_prefix(const NotifyArgs& args, const BlockRange& range, int num_columns, int block,
                                 int64_t column) {
-  if (block >= range.num_blocks) return __ldcg(args.scratch + int64_t{range.num_blocks} * num_columns + column);
+  if (block >= range.num_blocks) return __ldcg(totals_row(args, range, num_columns) + column);
   const int owner = range.owner(block);
-  int32_t prefix = block == range.first(owner) ? 0 : __ldcg(args.scratch + int64_t{block} * num_columns + column);
-  for (int cta = 0; cta < owner; ++cta)
-    prefix += __ldcg(args.scratch + int64_t{range.first(cta)} * num_columns + column);
+  int32_t prefix = block == range.first(owner) ? 0 : __ldcg(scratch_row(args, block, num_columns) + column);
+  for (int cta = 0; cta < owner; ++cta) prefix += __ldcg(aggregate_row(args, range, cta, num_columns) + column);
   return prefix;
 }
 
@@ -265,17 +336,18 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
                                 const int32_t* base, int64_t thread, int64_t num_threads) {
   const HtCall& call = args.call;
   const int num_experts = call.num_experts;
-  const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
   const int first_block = range.first(cta);
   const int64_t first_token = int64_t{first_block} * kNotifyTokensPerBlock;
   const int64_t end_token = min(int64_t{range.end(cta)} * kNotifyTokensPerBlock, int64_t{args.num_tokens});
-  const int64_t end_entry = end_token * num_topk;
+  const int64_t end_entry = end_token * num_topk;  // < 2^31 (launch_notify)
   const int64_t stride = num_threads;
+  const FastDivisor by_topk(num_topk);
+  const FastDivisor by_local(call.num_local_experts());
   // The row of a block's prefix inside the CTA (nullptr for the CTA's first block, prefix 0).
   const auto prefix_row = [&](int64_t token) -> const int32_t* {
     const int64_t block = token / kNotifyTokensPerBlock;
-    return block == first_block ? nullptr : args.scratch + block * num_columns;
+    return block == first_block ? nullptr : scratch_row(args, block, num_columns);
   };
   const auto offset = [&](const int32_t* row, int64_t column) {
     return (row != nullptr ? __ldcg(row + column) : 0) + (base != nullptr ? base[column] : 0);
@@ -301,9 +373,9 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
     for (int b = 0; b < kBaseEntries; ++b) {
       const int64_t entry = first + b * stride;
       if (expert[b] < 0) continue;
-      const int32_t* row = prefix_row(entry / num_topk);
+      const int32_t* row = prefix_row(by_topk.quotient(static_cast<int>(entry)));
       expert_slot[b] += offset(row, expert[b]);
-      if (dst_slot[b] >= 0) dst_slot[b] += offset(row, num_experts + expert[b] / num_local);
+      if (dst_slot[b] >= 0) dst_slot[b] += offset(row, num_experts + by_local.quotient(expert[b]));
     }
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
@@ -474,11 +546,13 @@ __device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_
   return failed == 0;
 }
 
-// CTA 0. `while_waiting` runs once this rank's counts are sent, before it waits for its peers'.
-// Returns false on a timeout (recorded; the host sees it).
+// CTA 0. `totals`: the totals in this CTA's shared memory; `scratch_totals`: the scratch's totals
+// row (hybrid only: the scale-out messages read it). `while_waiting` runs once this rank's counts
+// are sent, before it waits for its peers'. Returns false on a timeout (recorded; the host sees it).
 template <typename WhileWaiting>
-__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, int num_columns, const BlockRange& range,
-                                int32_t* recv_per_source, int32_t* per_source_expert, WhileWaiting&& while_waiting) {
+__device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, const int32_t* scratch_totals,
+                                int num_columns, const BlockRange& range, int32_t* recv_per_source,
+                                int32_t* per_source_expert, WhileWaiting&& while_waiting) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   const int num_ranks = view.num_ranks;
@@ -513,18 +587,18 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
     const int dest = expert / num_local;
     const int64_t cell =
         WorkspaceLayout::expert_counts_offset + 4 * (int64_t{view.rank} * num_local + expert % num_local);
-    ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), __ldcg(totals + expert) + 1);
+    ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), totals[expert] + 1);
   }
   // No fence of our own: each release store below is cumulative over the CTA's expert-count
   // stores, which the __syncthreads orders before it.
   __syncthreads();
   for (int dest = first_dest + threadIdx.x; dest < first_dest + num_dests; dest += blockDim.x) {
     ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
-                        __ldcg(totals + num_experts + dest) + 1);
+                        totals[num_experts + dest] + 1);
   }
   clock_phase(view, ClockedKernel::kHtNotify, 3);
   while_waiting();
-  if (call.hybrid() && !exchange_scaleout_counts(args, totals, num_columns, range)) return false;
+  if (call.hybrid() && !exchange_scaleout_counts(args, scratch_totals, num_columns, range)) return false;
 
   for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
     // The cell is cleared on read; the source writes it again only in its next notify, after this
@@ -551,9 +625,30 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, i
   return args.send_base == nullptr || exchange_send_bases(args, recv_per_source);
 }
 
-// CTA 0, after the exchange: the handle's counts and the host-mapped copy.
-__device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_source, const int32_t* per_source_expert,
-                             int32_t* unaligned, int32_t* aligned) {
+// One value per thread of the CTA (all threads call): its inclusive prefix sum over the CTA, and the
+// CTA's total. `warp_sums`: kNotifyWarps ints of shared memory, free again on return.
+__device__ int cta_inclusive_sum(int value, int32_t* warp_sums, int& total) {
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int inclusive = warp_inclusive_sum(value);
+  if (lane_id() == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  int below = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kNotifyWarps; ++w) {
+    const int sum = warp_sums[w];
+    below += w < warp ? sum : 0;
+    total += sum;
+  }
+  __syncthreads();
+  return below + inclusive;
+}
+
+// CTA 0, after the exchange: the handle's counts and the host-mapped copy. The per-expert prefix is
+// CTA-wide (a thread per local expert; one warp walking 256 experts in 32-wide steps was ~1.8 us
+// at one rank, on the path to the host's wait).
+__device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_source, const int32_t* per_source_expert) {
+  __shared__ int32_t warp_sums[kNotifyWarps];
   const int num_ranks = args.view.num_ranks;
   const int num_local = args.call.num_local_experts();
   const int alignment = args.expert_alignment;
@@ -561,20 +656,32 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
   int32_t* counts = args.counts;
   int32_t* mapped = args.mapped_counters;
   const int lane = lane_id();
-  const int warp = static_cast<int>(threadIdx.x / 32);
 
-  for (int local = threadIdx.x; local < num_local; local += blockDim.x) {
-    int running = 0;
-    for (int source = 0; source < num_ranks; ++source) {
-      counts[layout.expert_offsets + source * num_local + local] = running;
-      running += per_source_expert[source * num_local + local];
+  int carry = 0;  // aligned rows of the experts of earlier chunks
+  for (int first = 0; first < num_local; first += blockDim.x) {
+    const int local = first + static_cast<int>(threadIdx.x);
+    int unaligned = 0;
+    if (local < num_local) {
+      for (int source = 0; source < num_ranks; ++source) {
+        counts[layout.expert_offsets + source * num_local + local] = unaligned;
+        unaligned += per_source_expert[source * num_local + local];
+      }
+      counts[layout.unaligned_per_expert + local] = unaligned;
     }
-    counts[layout.unaligned_per_expert + local] = running;
-    unaligned[local] = running;
-    aligned[local] = static_cast<int32_t>(align_up(running, alignment));
+    const int aligned = local < num_local ? static_cast<int32_t>(align_up(unaligned, alignment)) : 0;
+    int chunk_total = 0;
+    const int inclusive = carry + cta_inclusive_sum(aligned, warp_sums, chunk_total);
+    if (local < num_local) {
+      const int start = inclusive - aligned;
+      counts[layout.expert_start + local] = start;
+      // DeepEP's meaning: expand rows of expert l are [start, psum[l]); non-expand, the aligned psum.
+      counts[layout.psum_per_expert + local] = args.do_expand ? start + unaligned : inclusive;
+      if (mapped != nullptr) mapped[kMappedAlignedExpertCounts + local] = aligned;
+    }
+    carry += chunk_total;
   }
-  __syncthreads();
-  if (warp == 0) {
+  if (mapped != nullptr && threadIdx.x == 0) mapped[kMappedNumExpandedTokens] = carry;
+  if (threadIdx.x < 32) {
     int running = 0;
     for (int first = 0; first < num_ranks; first += 32) {
       const int source = first + lane;
@@ -587,26 +694,8 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
       running = __shfl_sync(kFullMask, inclusive, 31);
     }
     if (mapped != nullptr && lane == 0) mapped[kMappedNumRecvTokens] = running;
-  } else if (warp == 1) {
-    int running = 0;
-    for (int first = 0; first < num_local; first += 32) {
-      const int local = first + lane;
-      const int value = local < num_local ? aligned[local] : 0;
-      const int inclusive = running + warp_inclusive_sum(value);
-      if (local < num_local) {
-        const int start = inclusive - value;
-        counts[layout.expert_start + local] = start;
-        // DeepEP's meaning: expand rows of expert l are [start, psum[l]); non-expand, the aligned psum.
-        counts[layout.psum_per_expert + local] = args.do_expand ? start + unaligned[local] : inclusive;
-      }
-      running = __shfl_sync(kFullMask, inclusive, 31);
-    }
-    if (mapped != nullptr && lane == 0) mapped[kMappedNumExpandedTokens] = running;
   }
   if (mapped == nullptr) return;
-  for (int local = threadIdx.x; local < num_local; local += blockDim.x) {
-    mapped[kMappedAlignedExpertCounts + local] = aligned[local];
-  }
   __syncthreads();
   clock_phase(args.view, ClockedKernel::kHtNotify, 13);
   // The release is cumulative over the CTA's mapped stores (ordered before it by the barrier).
@@ -634,13 +723,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
   clock_phase(args.view, ClockedKernel::kHtNotify, 1);
 
   if (cta == 0) {
-    const int num_local = num_experts / num_ranks;
     int32_t* recv_per_source = smem;
     int32_t* per_source_expert = recv_per_source + num_ranks;
-    int32_t* unaligned = per_source_expert + num_experts;
-    int32_t* aligned = unaligned + num_local;
-    int32_t* totals = args.scratch + int64_t{range.num_blocks} * num_columns;
-    sum_aggregates(args, range, num_columns, range.num_active(), totals);
+    int32_t* totals = per_source_expert + num_experts;
+    // The scratch's totals row only for hybrid mode (scale-out messages, channel prefixes).
+    int32_t* scratch_totals = args.call.hybrid() ? totals_row(args, range, num_columns) : nullptr;
+    sum_aggregates(args, range, num_columns, range.num_active(), totals, scratch_totals);
     __syncthreads();
     clock_phase(args.view, ClockedKernel::kHtNotify, 2);
     const auto add_own_bases = [&] {
@@ -648,9 +736,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
       add_block_bases(args, range, num_columns, 0, nullptr, threadIdx.x, blockDim.x);
       clock_phase(args.view, ClockedKernel::kHtNotify, 7);
     };
-    if (exchange_counts(args, totals, num_columns, range, recv_per_source, per_source_expert, add_own_bases)) {
+    if (exchange_counts(args, totals, scratch_totals, num_columns, range, recv_per_source, per_source_expert,
+                        add_own_bases)) {
       if (args.send_base != nullptr) clock_phase(args.view, ClockedKernel::kHtNotify, 5);
-      write_counts(args, recv_per_source, per_source_expert, unaligned, aligned);
+      write_counts(args, recv_per_source, per_source_expert);
       clock_phase(args.view, ClockedKernel::kHtNotify, 6);
     }
     return;
@@ -672,6 +761,10 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   check_ht_grid_size(args.view, "num_sms", args.num_sms);
   check_call(args.view, args.call);
   EP_REQUIRE(args.num_tokens == 0 || args.topk_idx_copy != nullptr, "the notify kernel needs topk_idx_copy");
+  // Routing entries are indexed and divided as 31-bit ints in the kernel (FastDivisor).
+  EP_REQUIRE(int64_t{args.num_tokens} * args.call.num_topk < (int64_t{1} << 31),
+             "num_tokens * num_topk must be below 2^31, got " + std::to_string(args.num_tokens) + " * " +
+                 std::to_string(args.call.num_topk));
   EP_REQUIRE(args.expert_alignment >= 1, "expert_alignment must be >= 1, got " + std::to_string(args.expert_alignment));
   EP_REQUIRE(args.call.num_local_experts() + kMappedAlignedExpertCounts <= kMappedReady,
              "too many local experts for the host-mapped counters");
