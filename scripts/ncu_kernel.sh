@@ -10,7 +10,11 @@
 # Builds first (as gpu_check.sh does), profiles launches NCU_SKIP.. (default 4) of kernels whose
 # name matches KERNEL_REGEX, NCU_COUNT of them (default 2), with the full section set and source
 # counters, and writes to $OUT: NAME.ncu-rep, NAME_details.txt (every section of every profiled
-# launch) and NAME_source.csv (per SASS instruction: executions and warp stall samples).
+# launch) and NAME_source.csv (per SASS instruction: executions and warp stall samples; the CUDA
+# source page of the CLI export carried no metrics), and prints the hottest instructions and the
+# code regions by samples (scripts/ncu_hotspots.py). Warp stalls are sampled every
+# 2^(5 + NCU_SAMPLING) cycles (default 0: every 32 cycles; ncu's automatic interval left a 26 us
+# kernel with ~300 samples, interval 0 ~9,800).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 [[ $# -ge 3 ]] || { echo "usage: ncu_kernel.sh NAME KERNEL_REGEX COMMAND..." >&2; exit 2; }
@@ -29,11 +33,14 @@ if ! MAX_JOBS=$(nproc) $PY -m pip install --no-build-isolation --no-deps -e . > 
 fi
 "$NCU" --clock-control none --target-processes all -k "regex:$kernel" \
   --launch-skip "${NCU_SKIP:-4}" --launch-count "${NCU_COUNT:-2}" --set full --import-source yes \
+  --warp-sampling-interval "${NCU_SAMPLING:-0}" \
   -f -o "$OUT/$name" "$@" > "$OUT/${name}_run.log" 2>&1
 status=$?
 tail -20 "$OUT/${name}_run.log"
 [[ -f $OUT/$name.ncu-rep ]] || { echo "ncu_kernel: no report (rc=$status)" >&2; exit 1; }
 "$NCU" -i "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
 "$NCU" -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_source.csv" 2>&1
+$PY scripts/ncu_hotspots.py "$OUT/${name}_source.csv" --top 25 || true
+$PY scripts/ncu_hotspots.py "$OUT/${name}_source.csv" --regions || true
 echo "ncu_kernel: $OUT/${name}_details.txt, $OUT/${name}_source.csv (rc=$status)"
 exit "$status"
