@@ -59,6 +59,9 @@ CASES = [
     ),
     Case("fp8 H2048 K8 E=R a128", 2048, 8, -1, 700, True, expert_alignment=128, seed=7),
     Case("bf16 H4096 K6 E64 expand a1 hot", 4096, 6, 64, 1500, False, do_expand=True, hot_expert=63, seed=8),
+    # More local experts than the notify's 256 threads at 1 and 2 ranks: its per-expert prefix runs
+    # in chunks with a carry (expert_start of the later chunks).
+    Case("bf16 H2048 K8 E1024 expand a4", 2048, 8, 1024, 384, False, do_expand=True, expert_alignment=4, seed=9),
 ]
 
 
