@@ -212,6 +212,7 @@ class HighThroughputMixin:
     _max_num_sms: int
     _max_ht_num_sms: int
     _ht_speculative_epilogue: bool
+    _ht_host_path: Any = None  # _C.HtHostPath (ElasticBuffer sets it), or None: EP_HT_HOST_PATH=0
     _ht_last_counts: dict[tuple[Any, ...], tuple[int, int]]  # (call, expand, alignment) -> last counts
     _serial: int
     _torch_device: torch.device
@@ -285,6 +286,8 @@ class HighThroughputMixin:
                 device_sms=self._max_ht_num_sms,
             )
             cache[key] = min(num_sms, self._max_ht_num_sms)
+            if self._ht_host_path is not None and key[2:] == (0.0, 0.0, SM_READ_GBS, 0.0):
+                self._ht_host_path.remember_num_sms(num_experts, num_topk, cache[key])
         return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
@@ -357,6 +360,36 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("dispatch" if handle is None else "dispatch (cached)")
+        if (
+            handle is not None
+            and self._ht_host_path is not None
+            and type(handle) is EPHandle
+            and handle.owner_id == self._serial
+            and topk_idx is None
+            and not do_cpu_sync
+            and num_experts is None
+            and num_max_tokens_per_rank is None
+            and expert_alignment == 1
+            and do_expand is False
+            and previous_event is None
+            and not async_with_compute_stream
+            and not allocate_on_comm_stream
+            and cumulative_local_expert_recv_stats is None
+            and num_qps == 0
+            and previous_event_before_epilogue is None
+            and not use_tma_aligned_col_major_sf
+            and zero_copy_recv is False
+            and type(num_sms) is int
+        ):
+            # The C++ host path (csrc/python/bind_ht_host_path.cpp): None when an argument needs the
+            # checks and cases below, before anything was launched.
+            outputs = self._ht_host_path.cached_dispatch(
+                self._runtime, x, topk_weights, handle, num_sms, torch._C._cuda_getCurrentRawStream(self.device)
+            )
+            if outputs is not None:
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
+                out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+                return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
         if handle is None and (do_cpu_sync is None or bool(do_cpu_sync)) and stream_capturing():
             # Before any launch: nothing of this call runs during capture, so no peer waits for it.
             raise RuntimeError(
@@ -736,6 +769,25 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("combine")
+        if (
+            self._ht_host_path is not None
+            and type(handle) is EPHandle
+            and handle.owner_id == self._serial
+            and bias is None
+            and zero_copy is False
+            and previous_event is None
+            and not async_with_compute_stream
+            and not allocate_on_comm_stream
+            and num_qps == 0
+            and previous_event_before_epilogue is None
+            and type(num_sms) is int
+        ):
+            # The C++ host path, as in dispatch.
+            outputs = self._ht_host_path.combine(
+                self._runtime, x, topk_weights, handle, num_sms, torch._C._cuda_getCurrentRawStream(self.device)
+            )
+            if outputs is not None:
+                return outputs[0], outputs[1], EventOverlap(None)
         try:
             if not isinstance(zero_copy, bool):
                 raise TypeError(f"zero_copy must be a bool, got {type(zero_copy).__name__}")

@@ -13,6 +13,7 @@
 #include "common/ht_call.hpp"
 #include "kernels/high_throughput.hpp"
 #include "python/binding_utils.hpp"
+#include "python/ht_launchers.hpp"
 #include "runtime/runtime.hpp"
 
 namespace py = pybind11;
@@ -20,13 +21,20 @@ namespace py = pybind11;
 namespace deep_ep {
 namespace {
 
+ht::HybridRouting hybrid_routing(const HtCall& call, std::uintptr_t block, int64_t num_tokens) {
+  if (!call.hybrid()) return ht::HybridRouting{};
+  return ht::hybrid_routing(pointer<int32_t>(block), call, num_tokens);
+}
+
+}  // namespace
+
 // The call description of one shape on this buffer: topology from the runtime (so the mode follows
 // from the buffer), layout resolved once; Python caches it per shape. A combine-only call (combine
 // and its reduce touch the combine areas only) needs only the combine footprint, which does not
 // depend on the dispatch dtype: an fp8 dispatch sized to the region must not have its combine
 // refused for the bf16 dispatch rows it never uses.
-HtCall make_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk, int num_experts,
-                 bool use_fp8, bool combine_only, bool zero_copy_recv) {
+HtCall buffer_ht_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hidden, int num_topk,
+                      int num_experts, bool use_fp8, bool combine_only, bool zero_copy_recv) {
   const DeviceView& view = runtime.device_view();
   const Topology topology{view.num_ranks, view.num_scaleup_ranks};
   HtCall call = make_ht_call(topology, runtime.window().ht_offset, num_max_tokens_per_rank, hidden, num_topk,
@@ -43,12 +51,138 @@ HtCall make_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, int hi
   return call;
 }
 
-ht::HybridRouting hybrid_routing(const HtCall& call, std::uintptr_t block, int64_t num_tokens) {
-  if (!call.hybrid()) return ht::HybridRouting{};
-  return ht::hybrid_routing(pointer<int32_t>(block), call, num_tokens);
+// The launchers (ht_launchers.hpp) take positional arguments: keyword matching costs host time on
+// every call.
+void launch_ht_notify(Runtime& runtime, const HtCall& call, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy,
+                      int num_tokens, int expert_alignment, bool do_expand, std::uintptr_t expert_slot,
+                      std::uintptr_t dst_slot, std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync,
+                      std::uintptr_t send_base, std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream,
+                      bool input_failed) {
+  ht::NotifyArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.topk_idx_copy = pointer<int64_t>(topk_idx_copy);
+  args.num_tokens = num_tokens;
+  args.expert_alignment = expert_alignment;
+  args.do_expand = do_expand;
+  args.expert_slot = pointer<int32_t>(expert_slot);
+  args.dst_slot = pointer<int32_t>(dst_slot);
+  args.scratch = pointer<int32_t>(scratch);
+  args.counts = pointer<int32_t>(counts);
+  args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
+  args.send_base = pointer<int32_t>(send_base);
+  args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
+  args.num_sms = num_sms;
+  args.input_failed = input_failed;
+  ht::launch_notify(args, as_stream(stream));
 }
 
-}  // namespace
+void launch_ht_dispatch(Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t x, std::uintptr_t x_scales,
+                        std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t dst_slot,
+                        std::uintptr_t expert_slot, std::uintptr_t send_base, std::uintptr_t hybrid_block,
+                        bool entry_barrier, int num_sms, std::uintptr_t stream, bool input_failed) {
+  ht::DispatchArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.num_tokens = num_tokens;
+  args.x = pointer<const void>(x);
+  args.x_scales = pointer<const float>(x_scales);
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.topk_weights = pointer<const float>(topk_weights);
+  args.dst_slot = pointer<const int32_t>(dst_slot);
+  args.expert_slot = pointer<const int32_t>(expert_slot);
+  args.send_base = pointer<const int32_t>(send_base);
+  args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
+  args.entry_barrier = entry_barrier;
+  args.num_sms = num_sms;
+  args.input_failed = input_failed;
+  ht::launch_dispatch(args, as_stream(stream));
+}
+
+void launch_ht_dispatch_epilogue(Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment,
+                                 bool has_weights, std::uintptr_t counts, int64_t num_rows_allocated,
+                                 int64_t num_meta_rows_allocated, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
+                                 std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
+                                 std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows, int num_ctas,
+                                 std::uintptr_t stream) {
+  ht::EpilogueArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.do_expand = do_expand;
+  args.expert_alignment = expert_alignment;
+  args.has_weights = has_weights;
+  args.counts = pointer<const int32_t>(counts);
+  args.num_rows_allocated = num_rows_allocated;
+  args.num_meta_rows_allocated = num_meta_rows_allocated;
+  args.recv_x = pointer<void>(recv_x);
+  args.recv_x_scales = pointer<float>(recv_x_scales);
+  args.recv_topk_idx = pointer<int64_t>(recv_topk_idx);
+  args.recv_topk_weights = pointer<float>(recv_topk_weights);
+  args.recv_src_info = pointer<int32_t>(recv_src_info);
+  args.recv_expanded_rows = pointer<int32_t>(recv_expanded_rows);
+  args.num_ctas = num_ctas;
+  ht::launch_dispatch_epilogue(args, as_stream(stream));
+}
+
+void launch_ht_combine(Runtime& runtime, const HtCall& call, bool do_expand, std::uintptr_t x,
+                       std::uintptr_t topk_weights, std::uintptr_t counts, std::uintptr_t recv_src_info,
+                       std::uintptr_t recv_expanded_rows, int64_t num_meta_rows, int num_tokens,
+                       std::uintptr_t topk_idx, std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream,
+                       bool input_failed) {
+  ht::CombineArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.do_expand = do_expand;
+  args.x = pointer<const void>(x);
+  args.topk_weights = pointer<const float>(topk_weights);
+  args.counts = pointer<const int32_t>(counts);
+  args.recv_src_info = pointer<const int32_t>(recv_src_info);
+  args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
+  args.num_meta_rows = num_meta_rows;
+  args.num_tokens = num_tokens;
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
+  args.num_sms = num_sms;
+  args.input_failed = input_failed;
+  ht::launch_combine(args, as_stream(stream));
+}
+
+void launch_ht_combine_reduce(Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx,
+                              std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
+                              std::uintptr_t combined_topk_weights, int num_ctas, std::uintptr_t stream) {
+  ht::ReduceArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.num_tokens = num_tokens;
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.bias0 = pointer<const void>(bias0);
+  args.bias1 = pointer<const void>(bias1);
+  args.combined_x = pointer<void>(combined_x);
+  args.combined_topk_weights = pointer<float>(combined_topk_weights);
+  args.num_ctas = num_ctas;
+  ht::launch_combine_reduce(args, as_stream(stream));
+}
+
+void launch_ht_combine_pull(Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx,
+                            std::uintptr_t dst_slot, std::uintptr_t send_base, std::uintptr_t bias0,
+                            std::uintptr_t bias1, std::uintptr_t combined_x, std::uintptr_t combined_topk_weights,
+                            int num_sms, std::uintptr_t stream, bool input_failed) {
+  ht::PullCombineArgs args;
+  args.view = runtime.device_view();
+  args.call = call;
+  args.num_tokens = num_tokens;
+  args.topk_idx = pointer<const int64_t>(topk_idx);
+  args.dst_slot = pointer<const int32_t>(dst_slot);
+  args.send_base = pointer<const int32_t>(send_base);
+  args.bias0 = pointer<const void>(bias0);
+  args.bias1 = pointer<const void>(bias1);
+  args.combined_x = pointer<void>(combined_x);
+  args.combined_topk_weights = pointer<float>(combined_topk_weights);
+  args.num_sms = num_sms;
+  args.input_failed = input_failed;
+  ht::launch_pull_combine(args, as_stream(stream));
+}
 
 void register_high_throughput(py::module_& m) {
   m.attr("HT_MAPPED_NUM_RECV_TOKENS") = ht::kMappedNumRecvTokens;
@@ -83,7 +217,7 @@ void register_high_throughput(py::module_& m) {
       .def_property_readonly("dispatch_bytes", [](const HtCall& call) { return call.layout.dispatch_bytes; })
       .def_property_readonly("combine_bytes", [](const HtCall& call) { return call.layout.combine_bytes; });
 
-  m.def("ht_call", &make_call, py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
+  m.def("ht_call", &buffer_ht_call, py::arg("runtime"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
         py::arg("num_topk"), py::arg("num_experts"), py::arg("use_fp8"), py::arg("combine_only"),
         py::arg("zero_copy_recv"));
 
@@ -115,137 +249,17 @@ void register_high_throughput(py::module_& m) {
       },
       py::arg("call"), py::arg("num_tokens"));
 
-  // The launchers take positional arguments (keyword matching costs host time on every call).
-  m.def("ht_notify",
-        [](Runtime& runtime, const HtCall& call, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy, int num_tokens,
-           int expert_alignment, bool do_expand, std::uintptr_t expert_slot, std::uintptr_t dst_slot,
-           std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync, std::uintptr_t send_base,
-           std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream, bool input_failed) {
-          ht::NotifyArgs args;
-          args.view = runtime.device_view();
-          args.call = call;
-          args.topk_idx = pointer<const int64_t>(topk_idx);
-          args.topk_idx_copy = pointer<int64_t>(topk_idx_copy);
-          args.num_tokens = num_tokens;
-          args.expert_alignment = expert_alignment;
-          args.do_expand = do_expand;
-          args.expert_slot = pointer<int32_t>(expert_slot);
-          args.dst_slot = pointer<int32_t>(dst_slot);
-          args.scratch = pointer<int32_t>(scratch);
-          args.counts = pointer<int32_t>(counts);
-          args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
-          args.send_base = pointer<int32_t>(send_base);
-          args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
-          args.num_sms = num_sms;
-          args.input_failed = input_failed;
-          ht::launch_notify(args, as_stream(stream));
-        });
+  m.def("ht_notify", &launch_ht_notify);
 
-  m.def("ht_dispatch",
-        [](Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t x, std::uintptr_t x_scales,
-           std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t dst_slot, std::uintptr_t expert_slot,
-           std::uintptr_t send_base, std::uintptr_t hybrid_block, bool entry_barrier, int num_sms,
-           std::uintptr_t stream, bool input_failed) {
-          ht::DispatchArgs args;
-          args.view = runtime.device_view();
-          args.call = call;
-          args.num_tokens = num_tokens;
-          args.x = pointer<const void>(x);
-          args.x_scales = pointer<const float>(x_scales);
-          args.topk_idx = pointer<const int64_t>(topk_idx);
-          args.topk_weights = pointer<const float>(topk_weights);
-          args.dst_slot = pointer<const int32_t>(dst_slot);
-          args.expert_slot = pointer<const int32_t>(expert_slot);
-          args.send_base = pointer<const int32_t>(send_base);
-          args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
-          args.entry_barrier = entry_barrier;
-          args.num_sms = num_sms;
-          args.input_failed = input_failed;
-          ht::launch_dispatch(args, as_stream(stream));
-        });
+  m.def("ht_dispatch", &launch_ht_dispatch);
 
-  m.def("ht_dispatch_epilogue",
-        [](Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment, bool has_weights,
-           std::uintptr_t counts, int64_t num_rows_allocated, int64_t num_meta_rows_allocated, std::uintptr_t recv_x,
-           std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
-           std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows, int num_ctas, std::uintptr_t stream) {
-          ht::EpilogueArgs args;
-          args.view = runtime.device_view();
-          args.call = call;
-          args.do_expand = do_expand;
-          args.expert_alignment = expert_alignment;
-          args.has_weights = has_weights;
-          args.counts = pointer<const int32_t>(counts);
-          args.num_rows_allocated = num_rows_allocated;
-          args.num_meta_rows_allocated = num_meta_rows_allocated;
-          args.recv_x = pointer<void>(recv_x);
-          args.recv_x_scales = pointer<float>(recv_x_scales);
-          args.recv_topk_idx = pointer<int64_t>(recv_topk_idx);
-          args.recv_topk_weights = pointer<float>(recv_topk_weights);
-          args.recv_src_info = pointer<int32_t>(recv_src_info);
-          args.recv_expanded_rows = pointer<int32_t>(recv_expanded_rows);
-          args.num_ctas = num_ctas;
-          ht::launch_dispatch_epilogue(args, as_stream(stream));
-        });
+  m.def("ht_dispatch_epilogue", &launch_ht_dispatch_epilogue);
 
-  m.def("ht_combine",
-        [](Runtime& runtime, const HtCall& call, bool do_expand, std::uintptr_t x, std::uintptr_t topk_weights,
-           std::uintptr_t counts, std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows,
-           int64_t num_meta_rows, int num_tokens, std::uintptr_t topk_idx, std::uintptr_t hybrid_block, int num_sms,
-           std::uintptr_t stream, bool input_failed) {
-          ht::CombineArgs args;
-          args.view = runtime.device_view();
-          args.call = call;
-          args.do_expand = do_expand;
-          args.x = pointer<const void>(x);
-          args.topk_weights = pointer<const float>(topk_weights);
-          args.counts = pointer<const int32_t>(counts);
-          args.recv_src_info = pointer<const int32_t>(recv_src_info);
-          args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
-          args.num_meta_rows = num_meta_rows;
-          args.num_tokens = num_tokens;
-          args.topk_idx = pointer<const int64_t>(topk_idx);
-          args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
-          args.num_sms = num_sms;
-          args.input_failed = input_failed;
-          ht::launch_combine(args, as_stream(stream));
-        });
+  m.def("ht_combine", &launch_ht_combine);
 
-  m.def("ht_combine_reduce", [](Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx,
-                                std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
-                                std::uintptr_t combined_topk_weights, int num_ctas, std::uintptr_t stream) {
-    ht::ReduceArgs args;
-    args.view = runtime.device_view();
-    args.call = call;
-    args.num_tokens = num_tokens;
-    args.topk_idx = pointer<const int64_t>(topk_idx);
-    args.bias0 = pointer<const void>(bias0);
-    args.bias1 = pointer<const void>(bias1);
-    args.combined_x = pointer<void>(combined_x);
-    args.combined_topk_weights = pointer<float>(combined_topk_weights);
-    args.num_ctas = num_ctas;
-    ht::launch_combine_reduce(args, as_stream(stream));
-  });
+  m.def("ht_combine_reduce", &launch_ht_combine_reduce);
 
-  m.def("ht_combine_pull",
-        [](Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx, std::uintptr_t dst_slot,
-           std::uintptr_t send_base, std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
-           std::uintptr_t combined_topk_weights, int num_sms, std::uintptr_t stream, bool input_failed) {
-          ht::PullCombineArgs args;
-          args.view = runtime.device_view();
-          args.call = call;
-          args.num_tokens = num_tokens;
-          args.topk_idx = pointer<const int64_t>(topk_idx);
-          args.dst_slot = pointer<const int32_t>(dst_slot);
-          args.send_base = pointer<const int32_t>(send_base);
-          args.bias0 = pointer<const void>(bias0);
-          args.bias1 = pointer<const void>(bias1);
-          args.combined_x = pointer<void>(combined_x);
-          args.combined_topk_weights = pointer<float>(combined_topk_weights);
-          args.num_sms = num_sms;
-          args.input_failed = input_failed;
-          ht::launch_pull_combine(args, as_stream(stream));
-        });
+  m.def("ht_combine_pull", &launch_ht_combine_pull);
 }
 
 }  // namespace deep_ep

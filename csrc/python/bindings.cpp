@@ -6,6 +6,7 @@ void register_build_info(pybind11::module_& m);
 void register_geometry(pybind11::module_& m);
 void register_runtime(pybind11::module_& m);
 void register_high_throughput(pybind11::module_& m);
+void register_ht_host_path(pybind11::module_& m);
 void register_low_latency(pybind11::module_& m);
 }  // namespace deep_ep
 
@@ -15,5 +16,6 @@ PYBIND11_MODULE(_C, m) {
   deep_ep::register_geometry(m);
   deep_ep::register_runtime(m);
   deep_ep::register_high_throughput(m);
+  deep_ep::register_ht_host_path(m);
   deep_ep::register_low_latency(m);
 }

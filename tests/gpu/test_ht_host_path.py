@@ -1,0 +1,73 @@
+"""The C++ host path of a cached HT dispatch and a combine (csrc/python/bind_ht_host_path.cpp):
+taken for the everyday arguments, bitwise the same results as the Python path, and left to the
+Python path (nothing launched twice) for an argument it does not take."""
+
+from __future__ import annotations
+
+from ht_checks import (
+    Case,
+    assert_bitwise_equal,
+    assert_outputs_equal,
+    dispatch_case,
+    expert_output,
+    group_inputs,
+    make_buffer,
+)
+
+from deep_ep.testing import launch
+
+CASES = (
+    Case("fp8 H2048 K8 E64", 2048, 8, 64, 512, True, seed=41),
+    Case("bf16 H2048 K6 E64 expand a64", 2048, 6, 64, 384, False, do_expand=True, expert_alignment=64, seed=42),
+)
+
+
+def _host_path_equals_python_path(rank, num_ranks, group):
+    buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
+    host_path = buffer._ht_host_path
+    assert host_path is not None, "the C++ host path is on by default"
+    try:
+        for case in CASES:
+            inputs = group_inputs(case, num_ranks)
+            synced = dispatch_case(buffer, rank, case, inputs)  # uncached: the Python path
+            handle = synced[3]
+            y = expert_output(synced[0], rank, True)
+
+            calls = host_path.num_calls
+            fast = dispatch_case(buffer, rank, case, inputs, handle=handle)
+            assert host_path.num_calls == calls + 1, f"{case.name}: the cached dispatch did not take the host path"
+            fast_combined = buffer.combine(y, handle, topk_weights=synced[2])
+            assert host_path.num_calls == calls + 2, f"{case.name}: the combine did not take the host path"
+
+            buffer._ht_host_path = None  # what EP_HT_HOST_PATH=0 does
+            try:
+                slow = dispatch_case(buffer, rank, case, inputs, handle=handle)
+                slow_combined = buffer.combine(y, handle, topk_weights=synced[2])
+            finally:
+                buffer._ht_host_path = host_path
+            assert_outputs_equal(f"{case.name}: host path against the Python path", fast, slow)
+            assert_outputs_equal(f"{case.name}: host path against the uncached dispatch", fast, synced)
+            assert fast[3] is handle and fast[4].event is None
+            assert_bitwise_equal(f"{case.name}: combine", fast_combined[0], slow_combined[0])
+            assert_bitwise_equal(f"{case.name}: combine weights", fast_combined[1], slow_combined[1])
+
+            if case.use_fp8:
+                # Column-major scales (a TMA-aligned quantiser's): the host path declines before it
+                # launches anything and the Python path copies them; the result is the same.
+                data, scales = inputs.xs[rank]
+                column_major = scales.t().contiguous().t()
+                calls = host_path.num_calls
+                weights = None if inputs.weights is None else inputs.weights[rank]
+                declined = buffer.dispatch((data, column_major), topk_weights=weights, handle=handle)
+                # (With fewer than two tokens the transposed copy is contiguous again: host path.)
+                expected_calls = calls + (1 if column_major.is_contiguous() else 0)
+                assert host_path.num_calls == expected_calls, f"{case.name}: strided scales must take the Python path"
+                assert_outputs_equal(f"{case.name}: strided scales", declined, slow)
+        buffer._check_device_errors()
+        assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
+    finally:
+        buffer.destroy()
+
+
+def test_host_path_equals_python_path(num_ranks):
+    launch(_host_path_equals_python_path, num_ranks)
