@@ -17,7 +17,7 @@ the event and every tensor the kernels touch, otherwise the caller's stream wait
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,18 @@ def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     if bounds != sorted(bounds) or bounds[0] != 0:
         raise AssertionError(f"counts layout is not packed in field order: {layout}")
     return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _worst_case_rows(
+    num_ranks: int, num_max_tokens: int, num_topk: int, num_local: int, expert_alignment: int
+) -> tuple[int, int]:
+    """(N, N') a dispatch without CPU sync allocates: every rank's T_max tokens, and for expand each
+    of them on up to min(K, L) local experts plus each expert's alignment padding."""
+    worst_recv = num_ranks * num_max_tokens
+    worst_expanded = _align_up(
+        worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
+    )
+    return worst_recv, worst_expanded
 
 
 # Speculative output capacity (EP_HT_SPECULATIVE_EPILOGUE, see HighThroughputMixin.dispatch): the
@@ -286,8 +298,9 @@ class HighThroughputMixin:
                 device_sms=self._max_ht_num_sms,
             )
             cache[key] = min(num_sms, self._max_ht_num_sms)
-            if self._ht_host_path is not None and key[2:] == (0.0, 0.0, SM_READ_GBS, 0.0):
-                self._ht_host_path.remember_num_sms(num_experts, num_topk, cache[key])
+        if self._ht_host_path is not None and key[2:] == (0.0, 0.0, SM_READ_GBS, 0.0):
+            # Only the Python path comes here: from now on the host path resolves num_sms=0 itself.
+            self._ht_host_path.remember_num_sms(num_experts, num_topk, cache[key])
         return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
@@ -360,17 +373,15 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("dispatch" if handle is None else "dispatch (cached)")
+        if handle is None and (do_cpu_sync is None or bool(do_cpu_sync)) and stream_capturing():
+            # Before any launch: nothing of this call runs during capture, so no peer waits for it.
+            raise RuntimeError(
+                "dispatch with do_cpu_sync=True (the default) cannot be captured in a CUDA graph: the host reads the "
+                "received counts before it allocates the outputs. Capture a cached dispatch (handle=), or pass "
+                "do_cpu_sync=False (outputs at their worst-case sizes)"
+            )
         if (
-            handle is not None
-            and self._ht_host_path is not None
-            and type(handle) is EPHandle
-            and handle.owner_id == self._serial
-            and topk_idx is None
-            and not do_cpu_sync
-            and num_experts is None
-            and num_max_tokens_per_rank is None
-            and expert_alignment == 1
-            and do_expand is False
+            self._ht_host_path is not None
             and previous_event is None
             and not async_with_compute_stream
             and not allocate_on_comm_stream
@@ -381,22 +392,35 @@ class HighThroughputMixin:
             and zero_copy_recv is False
             and type(num_sms) is int
         ):
-            # The C++ host path (csrc/python/bind_ht_host_path.cpp): None when an argument needs the
-            # checks and cases below, before anything was launched.
-            outputs = self._ht_host_path.cached_dispatch(
-                self._runtime, x, topk_weights, handle, num_sms, torch._C._cuda_getCurrentRawStream(self.device)
-            )
-            if outputs is not None:
-                recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
-                out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
-                return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
-        if handle is None and (do_cpu_sync is None or bool(do_cpu_sync)) and stream_capturing():
-            # Before any launch: nothing of this call runs during capture, so no peer waits for it.
-            raise RuntimeError(
-                "dispatch with do_cpu_sync=True (the default) cannot be captured in a CUDA graph: the host reads the "
-                "received counts before it allocates the outputs. Capture a cached dispatch (handle=), or pass "
-                "do_cpu_sync=False (outputs at their worst-case sizes)"
-            )
+            # The C++ host path for the everyday arguments (csrc/python/bind_ht_host_path.cpp): None
+            # when an argument needs the checks and cases below, before anything was launched.
+            if handle is not None:
+                result = self._cached_dispatch_on_host_path(
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    num_sms,
+                    handle,
+                    do_cpu_sync,
+                    do_expand,
+                )
+            else:
+                result = self._dispatch_on_host_path(
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    num_sms,
+                    do_cpu_sync,
+                    do_expand,
+                )
+            if result is not None:
+                return result
         try:
             if not isinstance(zero_copy_recv, bool):
                 raise TypeError(f"zero_copy_recv must be a bool, got {type(zero_copy_recv).__name__}")
@@ -566,9 +590,8 @@ class HighThroughputMixin:
         speculative = False
         if not cached:
             history_key = (call, do_expand, expert_alignment)  # one cached HtCall per shape
-            worst_recv = num_ranks * num_max_tokens
-            worst_expanded = _align_up(
-                worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
+            worst_recv, worst_expanded = _worst_case_rows(
+                num_ranks, num_max_tokens, num_topk, num_local, expert_alignment
             )
             speculate = do_cpu_sync and self._ht_speculative_epilogue and not zero_copy_recv
             last = self._ht_last_counts.get(history_key) if speculate else None
@@ -579,7 +602,7 @@ class HighThroughputMixin:
             elif do_cpu_sync:
                 # The dispatch kernel is already moving data; only the output allocation waits. This
                 # is a synchronisation point: what the kernels reported so far is raised here.
-                self._read_dispatch_counts(launch, new_handle, num_local, history_key)
+                self._read_dispatch_counts(launch.join_caller, new_handle, num_local, history_key)
             else:
                 new_handle.num_recv_tokens = worst_recv
                 new_handle.num_expanded_tokens = worst_expanded
@@ -595,7 +618,7 @@ class HighThroughputMixin:
         epilogue(outputs)
         if speculative:
             capacity = (new_handle.num_recv_tokens, num_rows)
-            self._read_dispatch_counts(launch, new_handle, num_local, history_key)
+            self._read_dispatch_counts(launch.join_caller, new_handle, num_local, history_key)
             num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
             if new_handle.num_recv_tokens <= capacity[0] and num_rows <= capacity[1]:
                 outputs = tuple(None if t is None else t[:num_rows] for t in outputs)
@@ -621,9 +644,119 @@ class HighThroughputMixin:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
-    def _read_dispatch_counts(self, launch: _CommLaunch, handle: EPHandle, num_local: int, history_key: tuple) -> None:
+    def _cached_dispatch_on_host_path(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        num_experts: Any,
+        num_max_tokens_per_rank: Any,
+        expert_alignment: Any,
+        num_sms: int,
+        handle: Any,
+        do_cpu_sync: Any,
+        do_expand: Any,
+    ) -> tuple[Any, ...] | None:
+        """dispatch(handle=...) through the C++ host path, or None: the Python path takes the call."""
+        if not (
+            type(handle) is EPHandle
+            and handle.owner_id == self._serial
+            and topk_idx is None
+            and not do_cpu_sync
+            and num_experts is None
+            and num_max_tokens_per_rank is None
+            and expert_alignment == 1
+            and do_expand is False
+        ):
+            return None
+        compute = torch._C._cuda_getCurrentRawStream(self.device)
+        outputs = self._ht_host_path.cached_dispatch(self._runtime, x, topk_weights, handle, num_sms, compute)
+        if outputs is None:
+            return None
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
+        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+        return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
+
+    def _dispatch_on_host_path(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        num_experts: Any,
+        num_max_tokens_per_rank: Any,
+        expert_alignment: Any,
+        num_sms: int,
+        do_cpu_sync: Any,
+        do_expand: Any,
+    ) -> tuple[Any, ...] | None:
+        """An uncached dispatch through the C++ host path (checks and launches up to the host's wait,
+        then the outputs and the copy epilogue), with the handle built and the counts read here; or
+        None: the Python path takes the call (the speculative epilogue stays there)."""
+        if num_experts is None:
+            num_experts = getattr(self, "num_experts", 0)
+        if num_max_tokens_per_rank is None:
+            num_max_tokens_per_rank = self.num_max_tokens_per_rank
+        if (
+            self._ht_speculative_epilogue
+            or type(num_experts) is not int
+            or type(num_max_tokens_per_rank) is not int
+            or type(expert_alignment) is not int
+            or type(do_expand) is not bool
+        ):
+            return None
+        do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        max_topk = min(MAX_TOPK, self.num_topk) if getattr(self, "num_topk", 0) > 0 else MAX_TOPK
+        compute = torch._C._cuda_getCurrentRawStream(self.device)
+        host_path = self._ht_host_path
+        begun = host_path.begin_dispatch(
+            self._runtime,
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            do_expand,
+            do_cpu_sync,
+            num_sms,
+            max_topk,
+            compute,
+        )
+        if begun is None:
+            return None
+        call, num_sms, block = begun
+        num_tokens, num_topk = topk_idx.shape
+        handle = self._handle_from_notify_block(call, block, expert_alignment, do_expand, do_cpu_sync, num_sms)
+        num_local = num_experts // self.num_ranks
+        if do_cpu_sync:
+            comm = self._comm_stream.cuda_stream
+            self._read_dispatch_counts(lambda: self._runtime.join_streams(compute, comm), handle, num_local)
+        else:
+            handle.num_recv_tokens, handle.num_expanded_tokens = _worst_case_rows(
+                self.num_ranks, num_max_tokens_per_rank, num_topk, num_local, expert_alignment
+            )
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle.recv_src_info, handle.recv_expanded_row_idx = (
+            host_path.finish_dispatch(
+                self._runtime,
+                call,
+                do_expand,
+                expert_alignment,
+                topk_weights is not None,
+                handle.counts,
+                handle.num_recv_tokens,
+                handle.num_expanded_tokens,
+                compute,
+            )
+        )
+        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+        return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
+
+    def _read_dispatch_counts(
+        self, join_caller: Callable[[], None], handle: EPHandle, num_local: int, history_key: tuple | None = None
+    ) -> None:
         """The host wait for an uncached dispatch's counts (a synchronisation point: what the kernels
-        reported so far is raised here); fills the handle's sizes and remembers them for this shape."""
+        reported so far is raised here); fills the handle's sizes and remembers them for this shape
+        (``history_key``: the speculative epilogue's guess)."""
         try:
             self._wait_mapped_counter(_C.HT_MAPPED_READY)
             values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
@@ -631,12 +764,13 @@ class HighThroughputMixin:
         except BaseException:
             # The kernels may still run and read the handle's arrays and the inputs: order whatever
             # the caller does next (freeing them included) after them.
-            launch.join_caller()
+            join_caller()
             raise
         handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
         handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
         handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
-        self._ht_last_counts[history_key] = (handle.num_recv_tokens, handle.num_expanded_tokens)
+        if history_key is not None:
+            self._ht_last_counts[history_key] = (handle.num_recv_tokens, handle.num_expanded_tokens)
 
     def _notify(
         self,
@@ -650,33 +784,13 @@ class HighThroughputMixin:
         device: torch.device,
     ) -> EPHandle:
         """Launch the notify kernel and build the handle around its outputs (sizes filled in later)."""
-        num_ranks = self.num_ranks
-        num_experts = call.num_experts
-        num_max_tokens = call.num_max_tokens_per_rank
-        num_local = num_experts // num_ranks
-        num_tokens, num_topk = topk_idx.shape
-        layout = _counts_layout(num_ranks, num_local)
-        entries = num_tokens * num_topk
-        # One allocation split into the handle's int32 arrays: [routing as 2 x int32 per entry]
-        # [expert_slot] [dst_slot] [counts fields in layout order] [hybrid routing] [zero-copy send
-        # base] [notify scratch].
-        # Each torch.empty costs host time on the uncached path, which the GPU waits for.
-        sizes = (
-            2 * entries,
-            entries,
-            entries,
-            *_counts_field_sizes(num_ranks, num_local),
-            _C.ht_hybrid_routing_ints(call, num_tokens),
-            num_ranks if call.zero_copy_recv else 0,
-            _C.ht_notify_scratch_ints(call, num_tokens),
+        num_tokens = topk_idx.shape[0]
+        # One allocation split into the handle's arrays (csrc/python/bind_ht_host_path.cpp,
+        # NotifyBlock): each torch.empty costs host time on the uncached path, which the GPU waits for.
+        block = _C.ht_notify_block(
+            launch.empty((_C.ht_notify_block_ints(call, num_tokens),), torch.int32, device), call, num_tokens
         )
-        block = launch.empty((sum(sizes),), torch.int32, device)
-        routing32, expert_slot, dst_slot, *fields, hybrid_routing, send_base, scratch = block.split(sizes)
-        routing = routing32.view(torch.int64).view(num_tokens, num_topk)
-        expert_slot = expert_slot.view(num_tokens, num_topk)
-        dst_slot = dst_slot.view(num_tokens, num_topk)
-        counts = block.narrow(0, 4 * entries, layout["total"])  # the fields, back to back
-        recv_per_source, psum_per_source, expert_offsets, unaligned, expert_start, psum_per_expert = fields
+        routing, expert_slot, dst_slot, counts, *_, hybrid_routing, send_base, scratch = block
         if do_cpu_sync:
             self._runtime.reset_mapped_counter(_C.HT_MAPPED_READY)
         _C.ht_notify(
@@ -692,18 +806,39 @@ class HighThroughputMixin:
             _pointer(scratch),
             _pointer(counts),
             do_cpu_sync,
-            _pointer(send_base) if call.zero_copy_recv else 0,
-            _pointer(hybrid_routing) if call.hybrid else 0,
+            _pointer(send_base),
+            _pointer(hybrid_routing),
             num_sms,
             launch.stream,
             False,
         )
+        return self._handle_from_notify_block(call, block, expert_alignment, do_expand, do_cpu_sync, num_sms)
 
+    def _handle_from_notify_block(
+        self, call: Any, block: tuple, expert_alignment: int, do_expand: bool, do_cpu_sync: bool, num_sms: int
+    ) -> EPHandle:
+        """The handle around the notify block's arrays (_C.ht_notify_block); sizes filled in later."""
+        (
+            routing,
+            expert_slot,
+            dst_slot,
+            counts,
+            recv_per_source,
+            psum_per_source,
+            expert_offsets,
+            unaligned,
+            expert_start,
+            psum_per_expert,
+            hybrid_routing,
+            send_base,
+            _,
+        ) = block
+        num_tokens, num_topk = routing.shape
         return EPHandle(
             do_expand=do_expand,
-            num_experts=num_experts,
+            num_experts=call.num_experts,
             expert_alignment=expert_alignment,
-            num_max_tokens_per_rank=num_max_tokens,
+            num_max_tokens_per_rank=call.num_max_tokens_per_rank,
             num_sms=num_sms,
             topk_idx=routing,
             num_recv_tokens=0,
@@ -714,22 +849,22 @@ class HighThroughputMixin:
             num_unaligned_recv_tokens_per_expert=unaligned,
             recv_src_info=_NOT_ALLOCATED,  # allocated once the sizes are known
             dst_buffer_slot_idx=dst_slot,
-            num_ranks=num_ranks,
+            num_ranks=self.num_ranks,
             num_tokens=num_tokens,
             num_topk=num_topk,
             is_exact=do_cpu_sync,
             expert_slot_idx=expert_slot,
             num_recv_tokens_per_scaleup_rank=recv_per_source,
-            expert_offsets_per_source=expert_offsets.view(num_ranks, num_local),
+            expert_offsets_per_source=expert_offsets,
             expert_start=expert_start,
             recv_expanded_row_idx=None,
             counts=counts,
             owner_id=self._serial,
-            hybrid_routing=hybrid_routing if call.hybrid else None,
+            hybrid_routing=hybrid_routing,
             num_nodes=call.num_nodes if call.hybrid else 1,
             scaleout_row_bytes=call.scaleout_row_bytes,
             home_node=self.scaleout_rank_idx if call.hybrid else 0,
-            zero_copy_send_base=send_base if call.zero_copy_recv else None,
+            zero_copy_send_base=send_base,
         )
 
     # ------------------------------------------------------------------ combine

@@ -29,8 +29,6 @@ namespace py = pybind11;
 namespace deep_ep {
 namespace {
 
-constexpr int kFp8GroupSize = 128;  // channels per fp8 scale (deep_ep.fp8.FP8_GROUP_SIZE)
-
 std::uintptr_t address(const at::Tensor& tensor) { return reinterpret_cast<std::uintptr_t>(tensor.data_ptr()); }
 std::uintptr_t address(const std::optional<at::Tensor>& tensor) { return tensor ? address(*tensor) : 0; }
 
@@ -44,6 +42,64 @@ py::object wrap(const std::optional<at::Tensor>& tensor) {
   if (!tensor) return py::none();
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(*tensor));
 }
+
+// The notify's one int32 allocation, split into the handle's arrays: [routing as 2 x int32 per
+// entry] [expert_slot] [dst_slot] [counts fields, counts_layout order] [hybrid routing] [zero-copy
+// send base] [notify scratch]. One allocation: each costs host time on the uncached path, which the
+// GPU waits for.
+struct NotifyBlock {
+  at::Tensor block;
+  at::Tensor routing;      // int64 [T, K]
+  at::Tensor expert_slot;  // [T, K]
+  at::Tensor dst_slot;     // [T, K]
+  at::Tensor counts;       // counts_layout(R, L).total
+  at::Tensor recv_per_source, psum_per_source, expert_offsets, unaligned_per_expert, expert_start, psum_per_expert;
+  std::optional<at::Tensor> hybrid_routing;  // hybrid mode
+  std::optional<at::Tensor> send_base;       // zero-copy receive: [R]
+  at::Tensor scratch;
+
+  static int64_t num_ints(const HtCall& call, int64_t num_tokens) {
+    return 4 * num_tokens * call.num_topk + ht::counts_layout(call.num_ranks(), call.num_local_experts()).total +
+           hybrid_ints(call, num_tokens) + (call.zero_copy_recv ? call.num_ranks() : 0) +
+           ht::notify_scratch_ints(call, num_tokens);
+  }
+
+  NotifyBlock(at::Tensor allocation, const HtCall& call, int64_t num_tokens) : block(std::move(allocation)) {
+    const int64_t entries = num_tokens * call.num_topk;
+    const int num_ranks = call.num_ranks();
+    const int num_local = call.num_local_experts();
+    const ht::CountsLayout layout = ht::counts_layout(num_ranks, num_local);
+    routing = block.narrow(0, 0, 2 * entries).view(at::kLong).view({num_tokens, call.num_topk});
+    expert_slot = block.narrow(0, 2 * entries, entries).view({num_tokens, call.num_topk});
+    dst_slot = block.narrow(0, 3 * entries, entries).view({num_tokens, call.num_topk});
+    counts = block.narrow(0, 4 * entries, layout.total);
+    recv_per_source = counts.narrow(0, layout.recv_per_source, num_ranks);
+    psum_per_source = counts.narrow(0, layout.psum_per_source, num_ranks);
+    expert_offsets =
+        counts.narrow(0, layout.expert_offsets, int64_t{num_ranks} * num_local).view({num_ranks, num_local});
+    unaligned_per_expert = counts.narrow(0, layout.unaligned_per_expert, num_local);
+    expert_start = counts.narrow(0, layout.expert_start, num_local);
+    psum_per_expert = counts.narrow(0, layout.psum_per_expert, num_local);
+    int64_t offset = 4 * entries + layout.total;
+    if (call.hybrid()) hybrid_routing = block.narrow(0, offset, hybrid_ints(call, num_tokens));
+    offset += hybrid_ints(call, num_tokens);
+    if (call.zero_copy_recv) send_base = block.narrow(0, offset, num_ranks);
+    offset += call.zero_copy_recv ? num_ranks : 0;
+    scratch = block.narrow(0, offset, ht::notify_scratch_ints(call, num_tokens));
+  }
+
+  // As deep_ep/high_throughput.py builds the handle from them (_handle_from_notify_block).
+  py::tuple to_python() const {
+    return py::make_tuple(wrap(routing), wrap(expert_slot), wrap(dst_slot), wrap(counts), wrap(recv_per_source),
+                          wrap(psum_per_source), wrap(expert_offsets), wrap(unaligned_per_expert), wrap(expert_start),
+                          wrap(psum_per_expert), wrap(hybrid_routing), wrap(send_base), wrap(scratch));
+  }
+
+ private:
+  static int64_t hybrid_ints(const HtCall& call, int64_t num_tokens) {
+    return call.hybrid() ? ht::hybrid_routing(nullptr, call, num_tokens).total_ints : 0;
+  }
+};
 
 struct CallKey {
   int64_t num_max_tokens;
@@ -81,18 +137,7 @@ class HtHostPath {
                              std::uintptr_t compute_stream) {
     std::optional<at::Tensor> data;
     std::optional<at::Tensor> scales;
-    if (py::isinstance<py::tuple>(x) || py::isinstance<py::list>(x)) {
-      const py::sequence pair = py::reinterpret_borrow<py::sequence>(x);
-      if (py::len(pair) != 2) return py::none();
-      data = as_tensor(pair[0]);
-      scales = as_tensor(pair[1]);
-      if (!data || !scales || !is_fp8_rows(*data) || !is_fp8_scales(*scales, *data)) return py::none();
-    } else {
-      data = as_tensor(x);
-      if (!data || !kernel_ready(*data) || data->scalar_type() != at::kBFloat16 || !has_rows(*data, 8)) {
-        return py::none();
-      }
-    }
+    if (!dispatch_input(x, data, scales)) return py::none();
     const int64_t num_tokens = data->size(0);
     const int hidden = static_cast<int>(data->size(1));
     const auto num_topk = handle.attr("num_topk").cast<int>();
@@ -118,20 +163,7 @@ class HtHostPath {
     const at::Tensor counts = THPVariable_Unpack(handle.attr("counts").ptr());
     const std::optional<at::Tensor> hybrid_routing = optional_tensor(handle.attr("hybrid_routing"));
 
-    // Outputs on the caller's stream (current in torch), as the Python path allocates them: comm
-    // waits for that stream first, and the caller's stream waits for comm at the end.
-    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
-    const at::Tensor recv_x = at::empty({num_rows, hidden}, options.dtype(data->scalar_type()));
-    std::optional<at::Tensor> recv_scales;
-    if (scales) recv_scales = at::empty({num_rows, hidden / kFp8GroupSize}, options.dtype(at::kFloat));
-    std::optional<at::Tensor> recv_topk_idx;
-    if (!do_expand) recv_topk_idx = at::empty({num_rows, num_topk}, options.dtype(at::kLong));
-    std::optional<at::Tensor> recv_weights;
-    if (weights) {
-      recv_weights = do_expand ? at::empty({num_rows}, options.dtype(at::kFloat))
-                               : at::empty({num_rows, num_topk}, options.dtype(at::kFloat));
-    }
-
+    const auto outputs = allocate_dispatch_outputs(*call, num_rows, do_expand, weights.has_value());
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
     launch_ht_dispatch(runtime, *call, static_cast<int>(num_tokens), address(*data), address(scales), address(routing),
@@ -139,10 +171,10 @@ class HtHostPath {
                        *sms, comm_stream_, false);
     // A cached dispatch has the handle's routing: its source info and row map are already right.
     launch_ht_dispatch_epilogue(runtime, *call, do_expand, expert_alignment, weights.has_value(), address(counts),
-                                num_rows, num_recv_tokens, address(recv_x), address(recv_scales),
-                                address(recv_topk_idx), address(recv_weights), 0, 0, max_num_sms_, comm_stream_);
+                                num_rows, num_recv_tokens, address(outputs.x), address(outputs.scales),
+                                address(outputs.topk_idx), address(outputs.weights), 0, 0, max_num_sms_, comm_stream_);
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
-    return py::make_tuple(wrap(recv_x), wrap(recv_scales), wrap(recv_topk_idx), wrap(recv_weights));
+    return py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights));
   }
 
   // combine(x, handle, topk_weights=..., num_sms=num_sms) with every other argument at its default:
@@ -194,6 +226,76 @@ class HtHostPath {
     return py::make_tuple(wrap(combined_x), wrap(combined_weights));
   }
 
+  // An uncached dispatch with everyday arguments, up to the host's wait for the counts: the checks,
+  // the notify block, the notify and dispatch launches. Returns (call, num_sms, notify block
+  // arrays as NotifyBlock::to_python) or None for the Python path. high_throughput.py then builds
+  // the handle, waits for the counts (do_cpu_sync) and calls finish_dispatch.
+  py::object begin_dispatch(Runtime& runtime, py::handle x, py::handle topk_idx, py::handle topk_weights,
+                            int num_experts, int64_t num_max_tokens, int expert_alignment, bool do_expand,
+                            bool cpu_sync, int num_sms, int max_topk, std::uintptr_t compute_stream) {
+    std::optional<at::Tensor> data;
+    std::optional<at::Tensor> scales;
+    if (!dispatch_input(x, data, scales)) return py::none();
+    const int64_t num_tokens = data->size(0);
+    const int hidden = static_cast<int>(data->size(1));
+    const std::optional<at::Tensor> routing = as_tensor(topk_idx);
+    if (!routing || !kernel_ready(*routing) || routing->scalar_type() != at::kLong || routing->dim() != 2 ||
+        routing->size(0) != num_tokens || routing->size(1) < 1 || routing->size(1) > max_topk) {
+      return py::none();
+    }
+    const int num_topk = static_cast<int>(routing->size(1));
+    const int num_ranks = runtime.device_view().num_ranks;
+    if (num_experts < 1 || num_experts > kMaxExperts || num_experts % num_ranks != 0 || num_max_tokens < 1 ||
+        num_tokens > num_max_tokens || expert_alignment < 1) {
+      return py::none();
+    }
+    const std::optional<at::Tensor> weights = optional_tensor(topk_weights);
+    if (!topk_weights.is_none() && (!weights || !is_rows(*weights, at::kFloat, num_tokens, num_topk))) {
+      return py::none();
+    }
+    const std::optional<int> sms = resolve_num_sms(num_sms, num_experts, num_topk);
+    if (!sms) return py::none();
+    const HtCall* call = find_call(runtime, {num_max_tokens, hidden, num_topk, num_experts, scales.has_value(), false});
+    if (call == nullptr) return py::none();
+
+    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
+    const NotifyBlock notify(at::empty({NotifyBlock::num_ints(*call, num_tokens)}, options.dtype(at::kInt)), *call,
+                             num_tokens);
+    ++num_calls_;
+    runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
+    if (cpu_sync) runtime.reset_mapped_counter(ht::kMappedReady);
+    launch_ht_notify(runtime, *call, address(*routing), address(notify.routing), static_cast<int>(num_tokens),
+                     expert_alignment, do_expand, address(notify.expert_slot), address(notify.dst_slot),
+                     address(notify.scratch), address(notify.counts), cpu_sync, 0, address(notify.hybrid_routing), *sms,
+                     comm_stream_, false);
+    launch_ht_dispatch(runtime, *call, static_cast<int>(num_tokens), address(*data), address(scales),
+                       address(notify.routing), address(weights), address(notify.dst_slot), address(notify.expert_slot),
+                       0, address(notify.hybrid_routing), false, *sms, comm_stream_, false);
+    return py::make_tuple(py::cast(*call), *sms, notify.to_python());
+  }
+
+  // The rest of an uncached dispatch begun by begin_dispatch, once the handle has its sizes: the
+  // handle's per-row arrays and the outputs, the copy epilogue, the caller's stream joined. Returns
+  // (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_info, recv_expanded_row_idx).
+  py::tuple finish_dispatch(Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment,
+                            bool has_weights, py::handle counts, int64_t num_recv_tokens, int64_t num_expanded_tokens,
+                            std::uintptr_t compute_stream) {
+    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
+    const int num_topk = call.num_topk;
+    const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
+    std::optional<at::Tensor> expanded_rows;
+    if (do_expand) expanded_rows = at::empty({num_recv_tokens, num_topk}, options.dtype(at::kInt));
+    const at::Tensor src_info = at::empty({num_recv_tokens, int64_t{ht::kSrcInfoColumns}}, options.dtype(at::kInt));
+    const auto outputs = allocate_dispatch_outputs(call, num_rows, do_expand, has_weights);
+    launch_ht_dispatch_epilogue(
+        runtime, call, do_expand, expert_alignment, has_weights, address(THPVariable_Unpack(counts.ptr())), num_rows,
+        num_recv_tokens, address(outputs.x), address(outputs.scales), address(outputs.topk_idx),
+        address(outputs.weights), address(src_info), address(expanded_rows), max_num_sms_, comm_stream_);
+    runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
+    return py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights),
+                          wrap(src_info), wrap(expanded_rows));
+  }
+
  private:
   static cudaStream_t as_cuda_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
@@ -220,6 +322,40 @@ class HtHostPath {
   bool is_fp8_scales(const at::Tensor& scales, const at::Tensor& data) const {
     return is_rows(scales, at::kFloat, data.size(0), data.size(1) / kFp8GroupSize);
   }
+  // dispatch's x: bf16 [T, H] (H % 8 == 0) or (fp8 [T, H], fp32 scales [T, H/128]) (H % 128 == 0),
+  // each as the kernels read it (high_throughput.py's _check_dispatch_x and _kernel_ready).
+  bool dispatch_input(py::handle x, std::optional<at::Tensor>& data, std::optional<at::Tensor>& scales) const {
+    if (py::isinstance<py::tuple>(x) || py::isinstance<py::list>(x)) {
+      const auto pair = py::reinterpret_borrow<py::sequence>(x);
+      if (py::len(pair) != 2) return false;
+      data = as_tensor(pair[0]);
+      scales = as_tensor(pair[1]);
+      return data && scales && is_fp8_rows(*data) && is_fp8_scales(*scales, *data);
+    }
+    data = as_tensor(x);
+    return data && kernel_ready(*data) && data->scalar_type() == at::kBFloat16 && has_rows(*data, 8);
+  }
+
+  // A dispatch's outputs, on the caller's stream (current in torch) as the Python path allocates
+  // them: comm waits for that stream first, and the caller's stream waits for comm at the end.
+  struct DispatchOutputs {
+    at::Tensor x;
+    std::optional<at::Tensor> scales, topk_idx, weights;
+  };
+  DispatchOutputs allocate_dispatch_outputs(const HtCall& call, int64_t num_rows, bool do_expand,
+                                            bool has_weights) const {
+    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
+    DispatchOutputs outputs;
+    outputs.x = at::empty({num_rows, call.hidden}, options.dtype(call.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+    if (call.use_fp8) outputs.scales = at::empty({num_rows, call.hidden / kFp8GroupSize}, options.dtype(at::kFloat));
+    if (!do_expand) outputs.topk_idx = at::empty({num_rows, call.num_topk}, options.dtype(at::kLong));
+    if (has_weights) {
+      outputs.weights = do_expand ? at::empty({num_rows}, options.dtype(at::kFloat))
+                                  : at::empty({num_rows, call.num_topk}, options.dtype(at::kFloat));
+    }
+    return outputs;
+  }
+
   static std::optional<at::Tensor> optional_tensor(py::handle object) {
     return object.is_none() ? std::nullopt : as_tensor(object);
   }
@@ -263,6 +399,22 @@ class HtHostPath {
 }  // namespace
 
 void register_ht_host_path(py::module_& m) {
+  // The Python path's notify block (high_throughput.py's _notify allocates it, on the stream it chose).
+  m.def(
+      "ht_notify_block_ints",
+      [](const HtCall& call, int64_t num_tokens) { return NotifyBlock::num_ints(call, num_tokens); }, py::arg("call"),
+      py::arg("num_tokens"));
+  m.def(
+      "ht_notify_block",
+      [](py::handle block, const HtCall& call, int64_t num_tokens) {
+        const std::optional<at::Tensor> tensor = as_tensor(block);
+        if (!tensor || tensor->scalar_type() != at::kInt || tensor->dim() != 1 ||
+            tensor->size(0) != NotifyBlock::num_ints(call, num_tokens)) {
+          throw py::type_error("ht_notify_block: block must be an int32 tensor of ht_notify_block_ints(call, T) ints");
+        }
+        return NotifyBlock(*tensor, call, num_tokens).to_python();
+      },
+      py::arg("block"), py::arg("call"), py::arg("num_tokens"));
   py::class_<HtHostPath>(m, "HtHostPath")
       .def(py::init<int, std::uintptr_t, int, int>(), py::arg("device"), py::arg("comm_stream"), py::arg("max_num_sms"),
            py::arg("max_ht_num_sms"))
@@ -270,6 +422,8 @@ void register_ht_host_path(py::module_& m) {
       .def_property_readonly("num_calls", &HtHostPath::num_calls)
       // Positional arguments only: keyword matching costs host time on every call.
       .def("cached_dispatch", &HtHostPath::cached_dispatch)
+      .def("begin_dispatch", &HtHostPath::begin_dispatch)
+      .def("finish_dispatch", &HtHostPath::finish_dispatch)
       .def("combine", &HtHostPath::combine);
 }
 

@@ -1,6 +1,7 @@
-"""The C++ host path of a cached HT dispatch and a combine (csrc/python/bind_ht_host_path.cpp):
-taken for the everyday arguments, bitwise the same results as the Python path, and left to the
-Python path (nothing launched twice) for an argument it does not take."""
+"""The C++ host path of HT dispatch (uncached and cached) and combine
+(csrc/python/bind_ht_host_path.cpp): taken for the everyday arguments, bitwise the same results and
+handle as the Python path, and left to the Python path (nothing launched twice) for an argument it
+does not take."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ CASES = (
 )
 
 
+def assert_same_handle(name: str, got, want) -> None:
+    """The two handles describe the same routing: sizes, counts and every per-row array."""
+    for field in ("num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list", "is_exact", "num_sms"):
+        assert getattr(got, field) == getattr(want, field), f"{name}: handle.{field}"
+    for field in ("topk_idx", "counts", "dst_buffer_slot_idx", "expert_slot_idx"):
+        assert_bitwise_equal(f"{name}: handle.{field}", getattr(got, field), getattr(want, field))
+    rows = want.num_recv_tokens if want.is_exact else int(want.psum_num_recv_tokens_per_scaleup_rank[-1])
+    assert_bitwise_equal(f"{name}: handle.recv_src_info", got.recv_src_info[:rows], want.recv_src_info[:rows])
+    if want.recv_expanded_row_idx is not None:
+        assert_bitwise_equal(
+            f"{name}: handle.recv_expanded_row_idx",
+            got.recv_expanded_row_idx[:rows],
+            want.recv_expanded_row_idx[:rows],
+        )
+
+
 def _host_path_equals_python_path(rank, num_ranks, group):
     buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
     host_path = buffer._ht_host_path
@@ -29,9 +46,31 @@ def _host_path_equals_python_path(rank, num_ranks, group):
     try:
         for case in CASES:
             inputs = group_inputs(case, num_ranks)
-            synced = dispatch_case(buffer, rank, case, inputs)  # uncached: the Python path
+            buffer._ht_host_path = None  # what EP_HT_HOST_PATH=0 does
+            try:
+                synced = dispatch_case(buffer, rank, case, inputs)  # the Python path
+                unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
+            finally:
+                buffer._ht_host_path = host_path
             handle = synced[3]
             y = expert_output(synced[0], rank, True)
+            # num_sms=0: the host path takes the estimate once the Python code computed it with the
+            # host path on (above it was off); any call of the estimate with the default rates does.
+            buffer.get_theoretical_num_sms(case.experts(num_ranks), case.topk(num_ranks))
+
+            calls = host_path.num_calls
+            fast_synced = dispatch_case(buffer, rank, case, inputs)
+            fast_unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
+            assert host_path.num_calls == calls + 2, f"{case.name}: the uncached dispatch did not take the host path"
+            assert_outputs_equal(f"{case.name}: uncached, host path against the Python path", fast_synced, synced)
+            valid_rows = handle.num_expanded_tokens if case.do_expand else handle.num_recv_tokens
+            assert_outputs_equal(
+                f"{case.name}: no CPU sync, host path against the Python path", fast_unsynced, unsynced, valid_rows
+            )
+            assert_same_handle(f"{case.name}: uncached", fast_synced[3], handle)
+            assert_same_handle(f"{case.name}: no CPU sync", fast_unsynced[3], unsynced[3])
+            # The host path's handle serves combine and cached dispatch like the Python path's.
+            handle = fast_synced[3]
 
             calls = host_path.num_calls
             fast = dispatch_case(buffer, rank, case, inputs, handle=handle)
