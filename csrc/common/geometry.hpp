@@ -321,7 +321,11 @@ struct WorkspaceLayout {
   // [receiver rank] int32, zero-copy receive: "row + 1" of this rank's first row in that receiver's
   // final rows (0 = not arrived), sent back by the receiver in the notify kernel; read and cleared.
   static constexpr int64_t send_base_offset = input_failed_offset + int64_t{kMaxRanks} * 4;
-  static constexpr int64_t grid_counters_offset = send_base_offset + int64_t{kMaxRanks} * 4;
+  // int32 per notify column (expert, rank, node): every CTA of the HT notify adds its blocks'
+  // counts before the grid sync; CTA 0 reads the totals after it and clears them.
+  static constexpr int64_t notify_totals_offset = send_base_offset + int64_t{kMaxRanks} * 4;
+  static constexpr int64_t grid_counters_offset =
+      notify_totals_offset + int64_t{kMaxExperts + kMaxRanks + kMaxNodes} * 4;
   static constexpr int64_t scratch_offset = grid_counters_offset + int64_t{kNumGridCounters} * 4;
   static constexpr int64_t grid_generations_offset = scratch_offset + int64_t{kNumScratchInts} * 4;
   static constexpr int64_t barrier_epoch_offset = grid_generations_offset + int64_t{kNumGridCounters} * 4;

@@ -9,8 +9,9 @@
 //    the CTA's aggregate instead. One grid sync, with no system fence (only local memory so far).
 // 3. Each CTA sums its predecessors' aggregates per column (its base) and adds base + row to the
 //    in-block ordinals of its own blocks: expert_slot / dst_slot are then ranks among this rank's
-//    tokens in token order (no atomics, so the receive order is (source, token)).
-// CTA 0 (base 0) sums every aggregate into the totals instead, exchanges counts through the
+//    tokens in token order (ordinals without atomics, so the receive order is (source, token)).
+// CTA 0 (base 0) takes the totals instead (every CTA added its aggregate into workspace cells before
+// the grid sync; CTA 0 reads and clears them), exchanges counts through the
 // workspace cells ("count + 1", 0 = not arrived; in direct mode with no entry barrier: the
 // exchange is the gate, see exchange_counts), resets the cells it consumed, and writes the handle's
 // counts and, for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs
@@ -85,6 +86,11 @@ __device__ __forceinline__ int32_t* aggregate_row(const NotifyArgs& args, const 
 }
 __device__ __forceinline__ int32_t* totals_row(const NotifyArgs& args, const BlockRange& range, int num_columns) {
   return scratch_row(args, range.num_blocks, num_columns);
+}
+// The workspace's totals cells (zero between notifies): every CTA adds its aggregate before the grid
+// sync, so CTA 0 reads the totals in one round of loads instead of summing every CTA's aggregate.
+__device__ __forceinline__ int32_t* totals_cells(const NotifyArgs& args) {
+  return args.view.local<int32_t>(WorkspaceLayout::notify_totals_offset);
 }
 
 // Phase 1 needs one bitmap word per (warp, column) plus each warp's staged ids (32 tokens x
@@ -274,19 +280,21 @@ __device__ void scan_own_blocks(const NotifyArgs& args, const BlockRange& range,
       }
     }
     scratch_row(args, first, num_columns)[column] = running;
+    // The grid sync's release (thread 0's acq_rel arrival, after the __syncthreads) orders these adds
+    // before CTA 0 reads the totals.
+    if (running != 0) atomicAdd(totals_cells(args) + column, running);
   }
 }
 
-// Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base, or with every
-// active CTA the totals; `also` != nullptr: stored there too). One thread per column; every load of
-// a thread (up to kAggregateLoads aggregates of each of its columns) is issued before the first
-// sum, so a thread pays one L2 round trip, not one per chunk and column (the totals are on CTA 0's
-// path to the count exchange: 16 CTAs, 8 loads at a time, a second column for 8 threads: four).
+// Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base; with every
+// active CTA the totals). One thread per column; every load of a thread (up to kAggregateLoads
+// aggregates of each of its columns) is issued before the first sum, so a thread pays one L2 round
+// trip, not one per chunk and column.
 constexpr int kAggregateLoads = 16;
 constexpr int kAggregateColumns = 2;  // per thread at once: E + R columns exceed 256 threads
 
 __device__ void sum_aggregates(const NotifyArgs& args, const BlockRange& range, int num_columns, int num_ctas,
-                               int32_t* out, int32_t* also = nullptr) {
+                               int32_t* out) {
   const int stride = static_cast<int>(blockDim.x);
   for (int first = threadIdx.x; first < num_columns; first += kAggregateColumns * stride) {
     int32_t sum[kAggregateColumns] = {};
@@ -313,7 +321,30 @@ __device__ void sum_aggregates(const NotifyArgs& args, const BlockRange& range, 
       const int column = first + c * stride;
       if (column >= num_columns) continue;
       out[column] = sum[c];
-      if (also != nullptr) also[column] = sum[c];
+    }
+  }
+}
+
+// CTA 0 after the grid sync: the totals from the workspace cells (into shared memory, and in hybrid
+// mode the scratch's totals row), which are cleared for the next notify (workspace invariant; the
+// next notify's adds come after this kernel ended). Both of a thread's columns are loaded at once.
+__device__ void take_totals(const NotifyArgs& args, int num_columns, int32_t* totals, int32_t* scratch_totals) {
+  int32_t* cells = totals_cells(args);
+  const int stride = static_cast<int>(blockDim.x);
+  for (int first = threadIdx.x; first < num_columns; first += kAggregateColumns * stride) {
+    int32_t values[kAggregateColumns];
+#pragma unroll
+    for (int c = 0; c < kAggregateColumns; ++c) {
+      const int column = first + c * stride;
+      values[c] = column < num_columns ? __ldcg(cells + column) : 0;
+    }
+#pragma unroll
+    for (int c = 0; c < kAggregateColumns; ++c) {
+      const int column = first + c * stride;
+      if (column >= num_columns) continue;
+      cells[column] = 0;
+      totals[column] = values[c];
+      if (scratch_totals != nullptr) scratch_totals[column] = values[c];
     }
   }
 }
@@ -728,7 +759,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
     int32_t* totals = per_source_expert + num_experts;
     // The scratch's totals row only for hybrid mode (scale-out messages, channel prefixes).
     int32_t* scratch_totals = args.call.hybrid() ? totals_row(args, range, num_columns) : nullptr;
-    sum_aggregates(args, range, num_columns, range.num_active(), totals, scratch_totals);
+    take_totals(args, num_columns, totals, scratch_totals);
     __syncthreads();
     clock_phase(args.view, ClockedKernel::kHtNotify, 2);
     const auto add_own_bases = [&] {
