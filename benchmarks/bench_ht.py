@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cost of their pieces (allocations, stream joins, a launch) without the profiler (rank 0)",
     )
     parser.add_argument(
+        "--idle-start",
+        action="store_true",
+        help="start every timed call on an idle GPU (the host waits for the barrier before it): host us is "
+        "then the call's own latency, not the previous call's tail plus this one",
+    )
+    parser.add_argument(
         "--speculative-epilogue",
         action="store_true",
         help="also time the uncached dispatches with the speculative epilogue (EP_HT_SPECULATIVE_EPILOGUE)",
@@ -186,15 +192,20 @@ def planned_scaleout_copies(
 # --------------------------------------------------------------------------- measurements
 
 
-def timed_runs(buffer, operation, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+def timed_runs(buffer, operation, warmup: int, iters: int, idle_start: bool = False) -> tuple[list[float], list[float]]:
     """Per-run device times (us; each run starts right after a device barrier on the caller's
-    stream) and host times of the call (us; includes the host wait for counts where there is one)."""
+    stream) and host times of the call (us; includes the host wait for counts where there is one).
+    Without ``idle_start`` the host does not wait for the barrier: the GPU may still run the previous
+    call when this one starts, and an uncached dispatch's host time includes that tail (its count
+    wait queues behind it). ``idle_start``: the host waits for the barrier, so every call starts on
+    an idle GPU; the host time is then the call's own latency, and the device time includes the
+    host's work before the first launch."""
     for _ in range(warmup):
         operation()
     events = []
     host_us = []
     for _ in range(iters):
-        buffer.barrier()
+        buffer.barrier(with_cpu_sync=idle_start)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         begin = time.perf_counter()
@@ -292,7 +303,9 @@ def bench_tokens(
     def measure(
         name: str, operation, requested_sms: int, num_sms: int, num_recv_tokens: int, extra: dict | None = None
     ) -> None:
-        times, host_us = timed_runs(buffer, operation, config["warmup"], config["iters"])
+        times, host_us = timed_runs(
+            buffer, operation, config["warmup"], config["iters"], idle_start=config.get("idle_start", False)
+        )
         times.sort()
         results.append(
             {
@@ -718,6 +731,8 @@ def main(argv: list[str] | None = None) -> None:
         config["baseline"] = True
     if args.host_profile:
         config["host_profile"] = True
+    if args.idle_start:
+        config["idle_start"] = True
     if args.speculative_epilogue:
         config["speculative_epilogue"] = True
     if args.zero_copy:

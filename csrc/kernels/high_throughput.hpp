@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/device_view.hpp"
+#include "common/fast_divisor.hpp"
 #include "common/geometry.hpp"
 #include "common/ht_call.hpp"
 
@@ -151,6 +152,9 @@ struct NotifyArgs {
   HybridRouting hybrid;                // hybrid mode: out node_slot, node_counts, forward_prefix
   int num_sms = 1;
   bool input_failed = false;  // this rank takes part with T = 0 and tells its peers its input failed
+  // Divisions by K and by L, set by launch_notify (the kernel divides every routing entry).
+  FastDivisor by_topk{1};
+  FastDivisor by_local{1};
 };
 
 struct DispatchArgs {

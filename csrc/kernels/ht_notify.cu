@@ -102,20 +102,34 @@ size_t notify_smem_bytes(const HtCall& call) {
   return sizeof(int32_t) * static_cast<size_t>(std::max(phase1, exchange));
 }
 
+// A block's routing entries: [first, first + count) of the [T, K] arrays (32 tokens, fewer in the last block).
+struct BlockEntries {
+  int64_t first;
+  int count;
+};
+__device__ __forceinline__ BlockEntries block_entries(const NotifyArgs& args, int block) {
+  const int num_topk = args.call.num_topk;
+  return {int64_t{block} * kNotifyTokensPerBlock * num_topk,
+          min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk};
+}
+
+// Entry i of a block's staged rows (32 rows of `stride` ints, one row of num_topk entries per token).
+__device__ __forceinline__ int staged_entry(const NotifyArgs& args, int i, int stride) {
+  const int row = args.by_topk.quotient(i);
+  return row * stride + i - row * args.call.num_topk;
+}
+
 // A block's routing into the warp's staged ids (`ids`: 32 rows of `stride` ints, row = token of
 // the block); an id outside [-1, E) is recorded and becomes -1 (count_blocks then turns a repeat of
 // an earlier id in the same row into -1, as routed_expert() does). The rows are read with
 // coalesced loads (the block's T x K entries are contiguous), several in flight per lane, instead
 // of each lane walking its own row entry by entry (strided, one round trip after the other).
 // Called by all 32 lanes.
-__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, const FastDivisor& by_topk,
-                                bool stamp) {
+__device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids, int stride, bool stamp) {
   constexpr int kLoadsInFlight = 8;
   const int lane = lane_id();
-  const int num_topk = args.call.num_topk;
   const int num_experts = args.call.num_experts;
-  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
-  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+  const auto [first_entry, num_entries] = block_entries(args, block);
   for (int first = 0; first < num_entries; first += 32 * kLoadsInFlight) {
     int64_t raw[kLoadsInFlight];
 #pragma unroll
@@ -127,36 +141,26 @@ __device__ void stage_block_ids(const NotifyArgs& args, int block, int32_t* ids,
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int i = first + u * 32 + lane;
       if (i >= num_entries) continue;
-      const int row = by_topk.quotient(i);
       if (raw[u] < -1 || raw[u] >= num_experts) {
         record_invalid_expert(args.view, Operation::kHtNotify, InvalidExpertKind::kOutOfRange, raw[u], num_experts,
-                              block * kNotifyTokensPerBlock + row);
+                              block * kNotifyTokensPerBlock + args.by_topk.quotient(i));
         raw[u] = -1;
       }
-      ids[row * stride + i - row * num_topk] = static_cast<int32_t>(raw[u]);
+      ids[staged_entry(args, i, stride)] = static_cast<int32_t>(raw[u]);
     }
   }
   if (stamp) clock_phase(args.view, ClockedKernel::kHtNotify, 10);
   __syncwarp();
 }
 
-// Entry i of a block's staged rows (32 rows of `stride` ints, one row of num_topk entries per token).
-__device__ __forceinline__ int staged_entry(int i, int stride, int num_topk, const FastDivisor& by_topk) {
-  const int row = by_topk.quotient(i);
-  return row * stride + i - row * num_topk;
-}
-
 // The handle's sanitised copy of a block's routing, from the staged ids once count_blocks removed
 // the repeats. Every later kernel (dispatch, cached dispatch, combine) reads this copy: all agree
 // that a bad or repeated entry is -1, and the caller may reuse topk_idx. Called by all 32 lanes,
 // after a __syncwarp.
-__device__ void store_routing_copy(const NotifyArgs& args, int block, const int32_t* ids, int stride,
-                                   const FastDivisor& by_topk) {
-  const int num_topk = args.call.num_topk;
-  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
-  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+__device__ void store_routing_copy(const NotifyArgs& args, int block, const int32_t* ids, int stride) {
+  const auto [first_entry, num_entries] = block_entries(args, block);
   for (int i = lane_id(); i < num_entries; i += 32) {
-    args.topk_idx_copy[first_entry + i] = ids[staged_entry(i, stride, num_topk, by_topk)];
+    args.topk_idx_copy[first_entry + i] = ids[staged_entry(args, i, stride)];
   }
 }
 
@@ -171,13 +175,10 @@ __device__ __forceinline__ int32_t pack_ordinals(int expert_ordinal, int rank_or
 // Every entry's packed ordinals of a block into expert_slot / dst_slot, in entry order: coalesced
 // stores (a lane storing its own token's K entries touched a 32-byte sector per lane and store).
 // Called by all 32 lanes, after a __syncwarp.
-__device__ void store_block_ordinals(const NotifyArgs& args, int block, const int32_t* ids, int stride,
-                                     const FastDivisor& by_topk) {
-  const int num_topk = args.call.num_topk;
-  const int64_t first_entry = int64_t{block} * kNotifyTokensPerBlock * num_topk;
-  const int num_entries = min(kNotifyTokensPerBlock, args.num_tokens - block * kNotifyTokensPerBlock) * num_topk;
+__device__ void store_block_ordinals(const NotifyArgs& args, int block, const int32_t* ids, int stride) {
+  const auto [first_entry, num_entries] = block_entries(args, block);
   for (int i = lane_id(); i < num_entries; i += 32) {
-    const int32_t packed = ids[staged_entry(i, stride, num_topk, by_topk)];
+    const int32_t packed = ids[staged_entry(args, i, stride)];
     args.expert_slot[first_entry + i] = static_cast<int16_t>(packed & 0xffff);
     args.dst_slot[first_entry + i] = packed >> 16;
   }
@@ -188,7 +189,6 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
   const int warp = static_cast<int>(threadIdx.x / 32);
   const HtCall& call = args.call;
   const int num_experts = call.num_experts;
-  const int num_local = call.num_local_experts();
   const int num_topk = call.num_topk;
   const int num_nodes = call.hybrid() ? call.num_nodes() : 0;
   const int stride = staged_id_stride(num_topk);
@@ -200,12 +200,10 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
   const uint32_t my_bit = 1u << lane;
   const uint32_t lower_lanes = my_bit - 1u;
   const int cta = static_cast<int>(blockIdx.x);
-  const FastDivisor by_topk(num_topk);
-  const FastDivisor by_local(num_local);
   for (int block = range.first(cta) + warp; block < range.end(cta); block += kNotifyWarps) {
     for (int column = lane; column < num_columns; column += 32) expert_bits[column] = 0;
     const bool first_block = block == range.first(cta);
-    stage_block_ids(args, block, ids, stride, by_topk, first_block);  // its __syncwarp also orders the zeroing
+    stage_block_ids(args, block, ids, stride, first_block);  // its __syncwarp also orders the zeroing
     if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 8);
     const int token = block * kNotifyTokensPerBlock + lane;
     const bool has_token = token < args.num_tokens;
@@ -222,14 +220,14 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
           my_ids[k] = -1;
           continue;
         }
-        const int rank = by_local.quotient(expert);
+        const int rank = args.by_local.quotient(expert);
         if ((atomicOr(&rank_bits[rank], my_bit) & my_bit) == 0) first_of_rank |= 1u << k;
         if (num_nodes > 0) atomicOr(&node_bits[call.node_of(rank)], my_bit);
       }
     }
     __syncwarp();
     if (first_block) clock_phase(args.view, ClockedKernel::kHtNotify, 11);
-    store_routing_copy(args, block, ids, stride, by_topk);
+    store_routing_copy(args, block, ids, stride);
     int32_t* block_row = scratch_row(args, block, num_columns);
     for (int column = lane; column < num_columns; column += 32) block_row[column] = __popc(expert_bits[column]);
     __syncwarp();  // every lane read the staged ids: each lane may now overwrite its own row
@@ -238,7 +236,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
         const int expert = my_ids[k];
         const int expert_ordinal = expert >= 0 ? __popc(expert_bits[expert] & lower_lanes) : -1;
         const int rank_ordinal =
-            ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[by_local.quotient(expert)] & lower_lanes) : -1;
+            ((first_of_rank >> k) & 1u) != 0 ? __popc(rank_bits[args.by_local.quotient(expert)] & lower_lanes) : -1;
         my_ids[k] = pack_ordinals(expert_ordinal, rank_ordinal);
       }
       for (int node = 0; node < num_nodes; ++node) {
@@ -248,7 +246,7 @@ __device__ void count_blocks(const NotifyArgs& args, uint32_t* smem, const Block
       }
     }
     __syncwarp();
-    store_block_ordinals(args, block, ids, stride, by_topk);
+    store_block_ordinals(args, block, ids, stride);
     __syncwarp();  // the next block's staging overwrites the rows
   }
 }
@@ -373,8 +371,6 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
   const int64_t end_token = min(int64_t{range.end(cta)} * kNotifyTokensPerBlock, int64_t{args.num_tokens});
   const int64_t end_entry = end_token * num_topk;  // < 2^31 (launch_notify)
   const int64_t stride = num_threads;
-  const FastDivisor by_topk(num_topk);
-  const FastDivisor by_local(call.num_local_experts());
   // The row of a block's prefix inside the CTA (nullptr for the CTA's first block, prefix 0).
   const auto prefix_row = [&](int64_t token) -> const int32_t* {
     const int64_t block = token / kNotifyTokensPerBlock;
@@ -404,9 +400,9 @@ __device__ void add_block_bases(const NotifyArgs& args, const BlockRange& range,
     for (int b = 0; b < kBaseEntries; ++b) {
       const int64_t entry = first + b * stride;
       if (expert[b] < 0) continue;
-      const int32_t* row = prefix_row(by_topk.quotient(static_cast<int>(entry)));
+      const int32_t* row = prefix_row(args.by_topk.quotient(static_cast<int>(entry)));
       expert_slot[b] += offset(row, expert[b]);
-      if (dst_slot[b] >= 0) dst_slot[b] += offset(row, num_experts + by_local.quotient(expert[b]));
+      if (dst_slot[b] >= 0) dst_slot[b] += offset(row, num_experts + args.by_local.quotient(expert[b]));
     }
 #pragma unroll
     for (int b = 0; b < kBaseEntries; ++b) {
@@ -809,7 +805,10 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
     EP_CUDA_CHECK(
         cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  notify_kernel<<<notify_grid_size(args.num_sms, args.num_tokens), kNotifyThreads, smem, stream>>>(args);
+  NotifyArgs kernel_args = args;
+  kernel_args.by_topk = FastDivisor(static_cast<uint32_t>(args.call.num_topk));
+  kernel_args.by_local = FastDivisor(static_cast<uint32_t>(args.call.num_local_experts()));
+  notify_kernel<<<notify_grid_size(args.num_sms, args.num_tokens), kNotifyThreads, smem, stream>>>(kernel_args);
   EP_CHECK_LAUNCH("ht notify_kernel");
 }
 
