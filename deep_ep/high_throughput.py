@@ -394,31 +394,18 @@ class HighThroughputMixin:
         ):
             # The C++ host path for the everyday arguments (csrc/python/bind_ht_host_path.cpp): None
             # when an argument needs the checks and cases below, before anything was launched.
-            if handle is not None:
-                result = self._cached_dispatch_on_host_path(
-                    x,
-                    topk_idx,
-                    topk_weights,
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    handle,
-                    do_cpu_sync,
-                    do_expand,
-                )
-            else:
-                result = self._dispatch_on_host_path(
-                    x,
-                    topk_idx,
-                    topk_weights,
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    do_cpu_sync,
-                    do_expand,
-                )
+            result = self._dispatch_on_host_path(
+                x,
+                topk_idx,
+                topk_weights,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                num_sms,
+                handle,
+                do_cpu_sync,
+                do_expand,
+            )
             if result is not None:
                 return result
         try:
@@ -644,7 +631,7 @@ class HighThroughputMixin:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_topk_idx, recv_topk_weights, new_handle, event
 
-    def _cached_dispatch_on_host_path(
+    def _dispatch_on_host_path(
         self,
         x: Any,
         topk_idx: Any,
@@ -657,41 +644,29 @@ class HighThroughputMixin:
         do_cpu_sync: Any,
         do_expand: Any,
     ) -> tuple[Any, ...] | None:
-        """dispatch(handle=...) through the C++ host path, or None: the Python path takes the call."""
-        if not (
-            type(handle) is EPHandle
-            and handle.owner_id == self._serial
-            and topk_idx is None
-            and not do_cpu_sync
-            and num_experts is None
-            and num_max_tokens_per_rank is None
-            and expert_alignment == 1
-            and do_expand is False
-        ):
-            return None
-        compute = torch._C._cuda_getCurrentRawStream(self.device)
-        outputs = self._ht_host_path.cached_dispatch(self._runtime, x, topk_weights, handle, num_sms, compute)
-        if outputs is None:
-            return None
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
-        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
-        return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
-
-    def _dispatch_on_host_path(
-        self,
-        x: Any,
-        topk_idx: Any,
-        topk_weights: Any,
-        num_experts: Any,
-        num_max_tokens_per_rank: Any,
-        expert_alignment: Any,
-        num_sms: int,
-        do_cpu_sync: Any,
-        do_expand: Any,
-    ) -> tuple[Any, ...] | None:
-        """An uncached dispatch through the C++ host path (checks and launches up to the host's wait,
-        then the outputs and the copy epilogue), with the handle built and the counts read here; or
-        None: the Python path takes the call (the speculative epilogue stays there)."""
+        """dispatch through the C++ host path, or None: the Python path takes the call. Cached: one
+        call. Uncached: the checks and launches up to the host's wait there, the handle built and
+        the counts read here, then the outputs and the copy epilogue there (the speculative
+        epilogue stays on the Python path)."""
+        if handle is not None:
+            if not (
+                type(handle) is EPHandle
+                and handle.owner_id == self._serial
+                and topk_idx is None
+                and not do_cpu_sync
+                and num_experts is None
+                and num_max_tokens_per_rank is None
+                and expert_alignment == 1
+                and do_expand is False
+            ):
+                return None
+            compute = torch._C._cuda_getCurrentRawStream(self.device)
+            outputs = self._ht_host_path.cached_dispatch(self._runtime, x, topk_weights, handle, num_sms, compute)
+            if outputs is None:
+                return None
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
+            out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+            return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
         if num_experts is None:
             num_experts = getattr(self, "num_experts", 0)
         if num_max_tokens_per_rank is None:
@@ -725,7 +700,7 @@ class HighThroughputMixin:
         if begun is None:
             return None
         call, num_sms, block = begun
-        num_tokens, num_topk = topk_idx.shape
+        num_topk = topk_idx.shape[1]
         handle = self._handle_from_notify_block(call, block, expert_alignment, do_expand, do_cpu_sync, num_sms)
         num_local = num_experts // self.num_ranks
         if do_cpu_sync:
