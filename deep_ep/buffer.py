@@ -287,9 +287,10 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         self._window = _C.window_layout(ht_region, ll_region)
         self.num_bytes = self._window["total_bytes"]
         self._comm_stream = _comm_stream(self.device)
-        # The C++ host path of a cached HT dispatch and a combine with everyday arguments (one binding
-        # call instead of ~50 µs of Python checks, allocations and launches); EP_HT_HOST_PATH=0 keeps
-        # every call on the Python path (A/B measurements, debugging).
+        # The C++ host path of HT dispatch (uncached and cached) and combine with everyday arguments
+        # (one binding call, two for an uncached dispatch, instead of ~50 µs of Python checks,
+        # allocations and launches); EP_HT_HOST_PATH=0 keeps every call on the Python path (A/B
+        # measurements, debugging).
         self._ht_host_path = (
             _C.HtHostPath(self.device, self._comm_stream.cuda_stream, self._max_num_sms, self._max_ht_num_sms)
             if os.environ.get("EP_HT_HOST_PATH", "1") != "0"
