@@ -142,10 +142,8 @@ class HtHostPath {
     const int hidden = static_cast<int>(data->size(1));
     const auto num_topk = handle.attr("num_topk").cast<int>();
     if (num_tokens != handle.attr("num_tokens").cast<int64_t>()) return py::none();
-    const std::optional<at::Tensor> weights = optional_tensor(topk_weights);
-    if (!topk_weights.is_none() && (!weights || !is_rows(*weights, at::kFloat, num_tokens, num_topk))) {
-      return py::none();
-    }
+    std::optional<at::Tensor> weights;
+    if (!weights_argument(topk_weights, num_tokens, num_topk, weights)) return py::none();
     const auto num_experts = handle.attr("num_experts").cast<int>();
     const std::optional<int> sms = resolve_num_sms(num_sms, num_experts, num_topk);
     if (!sms) return py::none();
@@ -157,11 +155,11 @@ class HtHostPath {
     const auto expert_alignment = handle.attr("expert_alignment").cast<int>();
     const auto num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
     const int64_t num_rows = do_expand ? handle.attr("num_expanded_tokens").cast<int64_t>() : num_recv_tokens;
-    const at::Tensor routing = THPVariable_Unpack(handle.attr("topk_idx").ptr());
-    const at::Tensor dst_slot = THPVariable_Unpack(handle.attr("dst_buffer_slot_idx").ptr());
-    const at::Tensor expert_slot = THPVariable_Unpack(handle.attr("expert_slot_idx").ptr());
-    const at::Tensor counts = THPVariable_Unpack(handle.attr("counts").ptr());
-    const std::optional<at::Tensor> hybrid_routing = optional_tensor(handle.attr("hybrid_routing"));
+    const at::Tensor routing = tensor_field(handle, "topk_idx");
+    const at::Tensor dst_slot = tensor_field(handle, "dst_buffer_slot_idx");
+    const at::Tensor expert_slot = tensor_field(handle, "expert_slot_idx");
+    const at::Tensor counts = tensor_field(handle, "counts");
+    const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
     const auto outputs = allocate_dispatch_outputs(*call, num_rows, do_expand, weights.has_value());
     ++num_calls_;
@@ -190,11 +188,8 @@ class HtHostPath {
     }
     const int hidden = static_cast<int>(rows->size(1));
     const auto num_topk = handle.attr("num_topk").cast<int>();
-    const std::optional<at::Tensor> weights = optional_tensor(topk_weights);
-    if (!topk_weights.is_none() && (!weights || !(do_expand ? is_vector(*weights, at::kFloat, num_rows)
-                                                            : is_rows(*weights, at::kFloat, num_rows, num_topk)))) {
-      return py::none();
-    }
+    std::optional<at::Tensor> weights;
+    if (!weights_argument(topk_weights, num_rows, do_expand ? 0 : num_topk, weights)) return py::none();
     const auto num_experts = handle.attr("num_experts").cast<int>();
     const std::optional<int> sms =
         resolve_num_sms(num_sms != 0 ? num_sms : handle.attr("num_sms").cast<int>(), num_experts, num_topk);
@@ -204,11 +199,11 @@ class HtHostPath {
     if (call == nullptr) return py::none();
 
     const auto num_tokens = handle.attr("num_tokens").cast<int>();
-    const at::Tensor counts = THPVariable_Unpack(handle.attr("counts").ptr());
-    const at::Tensor src_info = THPVariable_Unpack(handle.attr("recv_src_info").ptr());
-    const std::optional<at::Tensor> expanded_rows = optional_tensor(handle.attr("recv_expanded_row_idx"));
-    const at::Tensor routing = THPVariable_Unpack(handle.attr("topk_idx").ptr());
-    const std::optional<at::Tensor> hybrid_routing = optional_tensor(handle.attr("hybrid_routing"));
+    const at::Tensor counts = tensor_field(handle, "counts");
+    const at::Tensor src_info = tensor_field(handle, "recv_src_info");
+    const std::optional<at::Tensor> expanded_rows = optional_tensor_field(handle, "recv_expanded_row_idx");
+    const at::Tensor routing = tensor_field(handle, "topk_idx");
+    const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
     const at::Tensor combined_x = at::empty({num_tokens, hidden}, options.dtype(at::kBFloat16));
@@ -249,10 +244,8 @@ class HtHostPath {
         num_tokens > num_max_tokens || expert_alignment < 1) {
       return py::none();
     }
-    const std::optional<at::Tensor> weights = optional_tensor(topk_weights);
-    if (!topk_weights.is_none() && (!weights || !is_rows(*weights, at::kFloat, num_tokens, num_topk))) {
-      return py::none();
-    }
+    std::optional<at::Tensor> weights;
+    if (!weights_argument(topk_weights, num_tokens, num_topk, weights)) return py::none();
     const std::optional<int> sms = resolve_num_sms(num_sms, num_experts, num_topk);
     if (!sms) return py::none();
     const HtCall* call = find_call(runtime, {num_max_tokens, hidden, num_topk, num_experts, scales.has_value(), false});
@@ -315,6 +308,15 @@ class HtHostPath {
   bool is_vector(const at::Tensor& tensor, at::ScalarType dtype, int64_t length) const {
     return kernel_ready(tensor) && tensor.scalar_type() == dtype && tensor.dim() == 1 && tensor.size(0) == length;
   }
+  // topk_weights: None, or fp32 [num_rows, num_columns] (num_columns 0: [num_rows]) as the kernels
+  // read it (high_throughput.py's _check_weights). False: the Python path takes the call.
+  bool weights_argument(py::handle object, int64_t num_rows, int64_t num_columns,
+                        std::optional<at::Tensor>& weights) const {
+    if (object.is_none()) return true;
+    weights = as_tensor(object);
+    return weights && (num_columns == 0 ? is_vector(*weights, at::kFloat, num_rows)
+                                        : is_rows(*weights, at::kFloat, num_rows, num_columns));
+  }
   bool is_fp8_rows(const at::Tensor& data) const {
     return kernel_ready(data) && data.scalar_type() == at::kFloat8_e4m3fn && has_rows(data, kFp8GroupSize);
   }
@@ -356,8 +358,14 @@ class HtHostPath {
     return outputs;
   }
 
-  static std::optional<at::Tensor> optional_tensor(py::handle object) {
-    return object.is_none() ? std::nullopt : as_tensor(object);
+  // An EPHandle's device arrays (the handle came from this buffer's dispatch: high_throughput.py
+  // checked its type and owner).
+  static at::Tensor tensor_field(py::handle handle, const char* name) {
+    return THPVariable_Unpack(handle.attr(name).ptr());
+  }
+  static std::optional<at::Tensor> optional_tensor_field(py::handle handle, const char* name) {
+    const py::object field = handle.attr(name);
+    return field.is_none() ? std::nullopt : as_tensor(field);
   }
 
   // high_throughput.py's _resolve_num_sms without its errors: 0 = the remembered estimate.
