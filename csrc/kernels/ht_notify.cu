@@ -284,10 +284,10 @@ __device__ void scan_own_blocks(const NotifyArgs& args, const BlockRange& range,
   }
 }
 
-// Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base; with every
-// active CTA the totals). One thread per column; every load of a thread (up to kAggregateLoads
-// aggregates of each of its columns) is issued before the first sum, so a thread pays one L2 round
-// trip, not one per chunk and column.
+// Step 3: out[column] = the sum of the aggregates of CTAs [0, num_ctas) (a CTA's base; CTA 0 takes
+// the totals from the workspace cells instead, take_totals). One thread per column; every load of a
+// thread (up to kAggregateLoads aggregates of each of its columns) is issued before the first sum,
+// so a thread pays one L2 round trip, not one per chunk and column.
 constexpr int kAggregateLoads = 16;
 constexpr int kAggregateColumns = 2;  // per thread at once: E + R columns exceed 256 threads
 

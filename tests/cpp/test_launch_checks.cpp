@@ -71,6 +71,21 @@ TEST(GridSizeCheck, HighThroughputLaunchersRefuseAGridAboveTheCap) {
             std::string::npos);
 }
 
+// The notify indexes and divides routing entries as 31-bit ints (FastDivisor): T * K must stay below
+// 2^31, and the launcher says so before touching the GPU.
+TEST(NotifyCheck, RefusesMoreRoutingEntriesThanThirtyOneBitsIndex) {
+  int64_t routing_copy = 0;  // never written: the launch is refused first
+  ht::NotifyArgs notify;
+  notify.view = view_with_cap(4);
+  notify.call = small_call();  // K = 2
+  notify.num_sms = 1;
+  notify.topk_idx_copy = &routing_copy;
+  notify.num_tokens = 1 << 30;
+  const std::string message = refusal([&] { ht::launch_notify(notify, nullptr); });
+  EXPECT_NE(message.find("num_tokens * num_topk must be below 2^31"), std::string::npos) << message;
+  EXPECT_NE(message.find("1073741824 * 2"), std::string::npos) << message;
+}
+
 // Ranks sharing a GPU: the grid-synchronising HT kernels (notify, dispatch, combine) are held to the
 // HT cap, the copy epilogue and the reduce (no spin, no grid sync) to the rank's full share.
 TEST(GridSizeCheck, HighThroughputSendKernelsUseTheHtCap) {
