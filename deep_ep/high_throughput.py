@@ -97,16 +97,15 @@ def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _worst_case_rows(
-    num_ranks: int, num_max_tokens: int, num_topk: int, num_local: int, expert_alignment: int
+def worst_case_rows(
+    num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_experts: int, expert_alignment: int
 ) -> tuple[int, int]:
-    """(N, N') a dispatch without CPU sync allocates: every rank's T_max tokens, and for expand each
-    of them on up to min(K, L) local experts plus each expert's alignment padding."""
-    worst_recv = num_ranks * num_max_tokens
-    worst_expanded = _align_up(
-        worst_recv * min(num_topk, num_local) + (expert_alignment - 1) * num_local, expert_alignment
-    )
-    return worst_recv, worst_expanded
+    """``(N, N')`` of a dispatch without CPU sync (docs/api.md): every rank's T_max tokens, and for
+    expand each of them on up to min(K, L) local experts plus each expert's alignment padding."""
+    num_local = num_experts // num_ranks
+    num_rows = num_ranks * num_max_tokens_per_rank
+    worst = num_rows * min(num_topk, num_local) + (expert_alignment - 1) * num_local
+    return num_rows, _align_up(worst, expert_alignment)
 
 
 # Speculative output capacity (EP_HT_SPECULATIVE_EPILOGUE, see HighThroughputMixin.dispatch): the
@@ -577,8 +576,8 @@ class HighThroughputMixin:
         speculative = False
         if not cached:
             history_key = (call, do_expand, expert_alignment)  # one cached HtCall per shape
-            worst_recv, worst_expanded = _worst_case_rows(
-                num_ranks, num_max_tokens, num_topk, num_local, expert_alignment
+            worst_recv, worst_expanded = worst_case_rows(
+                num_ranks, num_max_tokens, num_topk, num_experts, expert_alignment
             )
             speculate = do_cpu_sync and self._ht_speculative_epilogue and not zero_copy_recv
             last = self._ht_last_counts.get(history_key) if speculate else None
@@ -707,8 +706,8 @@ class HighThroughputMixin:
             comm = self._comm_stream.cuda_stream
             self._read_dispatch_counts(lambda: self._runtime.join_streams(compute, comm), handle, num_local)
         else:
-            handle.num_recv_tokens, handle.num_expanded_tokens = _worst_case_rows(
-                self.num_ranks, num_max_tokens_per_rank, num_topk, num_local, expert_alignment
+            handle.num_recv_tokens, handle.num_expanded_tokens = worst_case_rows(
+                self.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
             )
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle.recv_src_info, handle.recv_expanded_row_idx = (
             host_path.finish_dispatch(

@@ -34,7 +34,7 @@ import torch
 from deep_ep import _C
 from deep_ep.autograd import expert_of_rows, kernel_input, valid_row_mask, zero_invalid_rows
 from deep_ep.handle import EPHandle
-from deep_ep.high_throughput import _counts_field_sizes, _counts_layout
+from deep_ep.high_throughput import _counts_field_sizes, _counts_layout, worst_case_rows
 
 __all__ = [
     "TensorHandle",
@@ -122,20 +122,6 @@ def _buffer_id(buffer: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- shapes
-
-
-def _align_up(value: Any, alignment: int) -> Any:
-    return (value + alignment - 1) // alignment * alignment
-
-
-def worst_case_rows(
-    num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_experts: int, expert_alignment: int
-) -> tuple[int, int]:
-    """``(N, N')`` of a dispatch without CPU sync: received rows and expanded rows (docs/api.md)."""
-    num_local = num_experts // num_ranks
-    num_rows = num_ranks * num_max_tokens_per_rank
-    worst = num_rows * min(num_topk, num_local) + (expert_alignment - 1) * num_local
-    return num_rows, _align_up(worst, expert_alignment)
 
 
 def _hybrid_layout(buffer: Any, num_tokens: Any, hidden: int, num_topk: int, num_experts: int, t_max: int) -> tuple:
