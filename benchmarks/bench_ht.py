@@ -234,6 +234,21 @@ def host_profile(operation, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
+def host_path_steps(buffer, operations, calls: int = 200) -> dict:
+    """The C++ host path's own step times (HtHostPath.start_profile / stop_profile): µs per call of
+    each step, per host-path entry point, over ``calls`` back-to-back calls of each operation; {}
+    when the buffer has no host path (EP_HT_HOST_PATH=0)."""
+    host_path = getattr(buffer, "_ht_host_path", None)
+    if host_path is None:
+        return {}
+    host_path.start_profile()
+    for operation in operations:
+        for _ in range(calls):
+            operation()
+    torch.cuda.synchronize()
+    return host_path.stop_profile()
+
+
 def host_primitive_costs(buffer, rows: int, hidden: int, num_topk: int, calls: int = 2000) -> dict[str, float]:
     """Host µs per call (no profiler; median of 10 batches) of the pieces a cached dispatch and a
     combine are made of: the output allocations, the stream joins (the runtime's event, and the
@@ -388,6 +403,13 @@ def bench_tokens(
             if rank == 0:
                 lines = "\n".join(f"  {cost:8.2f}  {name}" for name, cost in costs.items())
                 print(f"[bench_ht] host µs per call of the pieces, T={num_tokens}:\n{lines}")
+            steps = host_path_steps(buffer, [operations[name] for name in HOST_PROFILED_OPERATIONS])
+            if rank == 0 and steps:
+                lines = "\n".join(
+                    f"  {call}: " + ", ".join(f"{step} {us:.2f}" for step, us in by_step.items())
+                    for call, by_step in steps.items()
+                )
+                print(f"[bench_ht] C++ host path, µs per call of each step, T={num_tokens}:\n{lines}")
 
     if config.get("baseline") and default_layout:
         group = buffer.group

@@ -13,8 +13,11 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -101,6 +104,61 @@ struct NotifyBlock {
   }
 };
 
+// Where the host path's time goes (bench_ht.py --host-profile): per operation, the time from one
+// step's end to the next's, summed over calls. Off unless start_profile() turned it on (a call then
+// pays one branch per step).
+class HostPathProfile {
+ public:
+  enum Operation { kCachedDispatch, kCombine, kBeginDispatch, kFinishDispatch, kNumOperations };
+
+  void start() {
+    on_ = true;
+    for (auto& steps : steps_) steps.clear();
+    calls_.fill(0);
+  }
+  void begin(Operation operation) {
+    if (!on_) return;
+    operation_ = operation;
+    ++calls_[operation];
+    last_ = std::chrono::steady_clock::now();
+  }
+  void stamp(const char* step) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double ns = std::chrono::duration<double, std::nano>(now - last_).count();
+    last_ = now;
+    auto& steps = steps_[operation_];
+    for (auto& [name, total] : steps) {
+      if (name == step) {
+        total += ns;
+        return;
+      }
+    }
+    steps.push_back({step, ns});
+  }
+  // {operation: {step: mean µs per call}} since start(); profiling stops.
+  py::dict stop() {
+    on_ = false;
+    static constexpr std::array<const char*, kNumOperations> kNames = {"cached_dispatch", "combine", "begin_dispatch",
+                                                                       "finish_dispatch"};
+    py::dict result;
+    for (int operation = 0; operation < kNumOperations; ++operation) {
+      if (calls_[operation] == 0) continue;
+      py::dict steps;
+      for (const auto& [name, total] : steps_[operation]) steps[name.c_str()] = total / 1e3 / calls_[operation];
+      result[kNames[operation]] = steps;
+    }
+    return result;
+  }
+
+ private:
+  bool on_ = false;
+  Operation operation_ = kCachedDispatch;
+  std::chrono::steady_clock::time_point last_;
+  std::array<int64_t, kNumOperations> calls_{};
+  std::array<std::vector<std::pair<std::string, double>>, kNumOperations> steps_;
+};
+
 struct CallKey {
   int64_t num_max_tokens;
   int hidden;
@@ -129,12 +187,15 @@ class HtHostPath {
   }
 
   int64_t num_calls() const { return num_calls_; }
+  void start_profile() { profile_.start(); }
+  py::dict stop_profile() { return profile_.stop(); }
 
   // dispatch(x, topk_weights=..., handle=handle, num_sms=num_sms) with every other argument at its
   // default (high_throughput.py decides that): (recv_x, recv_scales, recv_topk_idx,
   // recv_topk_weights), or None for the Python path.
   py::object cached_dispatch(Runtime& runtime, py::handle x, py::handle topk_weights, py::handle handle, int num_sms,
                              std::uintptr_t compute_stream) {
+    profile_.begin(HostPathProfile::kCachedDispatch);
     std::optional<at::Tensor> data;
     std::optional<at::Tensor> scales;
     if (!dispatch_input(x, data, scales)) return py::none();
@@ -161,24 +222,34 @@ class HtHostPath {
     const at::Tensor counts = tensor_field(handle, "counts");
     const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
+    profile_.stamp("checks and handle fields");
     const auto outputs = allocate_dispatch_outputs(*call, num_rows, do_expand, weights.has_value());
+    profile_.stamp("allocations");
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
+    profile_.stamp("join");
     launch_ht_dispatch(runtime, *call, static_cast<int>(num_tokens), address(*data), address(scales), address(routing),
                        address(weights), address(dst_slot), address(expert_slot), 0, address(hybrid_routing), true,
                        *sms, comm_stream_, false);
+    profile_.stamp("dispatch launch");
     // A cached dispatch has the handle's routing: its source info and row map are already right.
     launch_ht_dispatch_epilogue(runtime, *call, do_expand, expert_alignment, weights.has_value(), address(counts),
                                 num_rows, num_recv_tokens, address(outputs.x), address(outputs.scales),
                                 address(outputs.topk_idx), address(outputs.weights), 0, 0, max_num_sms_, comm_stream_);
+    profile_.stamp("epilogue launch");
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
-    return py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights));
+    profile_.stamp("join back");
+    py::tuple result =
+        py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights));
+    profile_.stamp("outputs to Python");
+    return result;
   }
 
   // combine(x, handle, topk_weights=..., num_sms=num_sms) with every other argument at its default:
   // (combined_x, combined_topk_weights), or None for the Python path.
   py::object combine(Runtime& runtime, py::handle x, py::handle topk_weights, py::handle handle, int num_sms,
                      std::uintptr_t compute_stream) {
+    profile_.begin(HostPathProfile::kCombine);
     const std::optional<at::Tensor> rows = as_tensor(x);
     const auto do_expand = handle.attr("do_expand").cast<bool>();
     const int64_t num_rows = handle.attr(do_expand ? "num_expanded_tokens" : "num_recv_tokens").cast<int64_t>();
@@ -205,20 +276,28 @@ class HtHostPath {
     const at::Tensor routing = tensor_field(handle, "topk_idx");
     const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
+    profile_.stamp("checks and handle fields");
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
     const at::Tensor combined_x = at::empty({num_tokens, hidden}, options.dtype(at::kBFloat16));
     std::optional<at::Tensor> combined_weights;
     if (weights) combined_weights = at::empty({num_tokens, num_topk}, options.dtype(at::kFloat));
+    profile_.stamp("allocations");
 
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
+    profile_.stamp("join");
     launch_ht_combine(runtime, *call, do_expand, address(*rows), address(weights), address(counts), address(src_info),
                       address(expanded_rows), src_info.size(0), num_tokens, address(routing), address(hybrid_routing),
                       *sms, comm_stream_, false);
+    profile_.stamp("combine launch");
     launch_ht_combine_reduce(runtime, *call, num_tokens, address(routing), 0, 0, address(combined_x),
                              address(combined_weights), max_num_sms_, comm_stream_);
+    profile_.stamp("reduce launch");
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
-    return py::make_tuple(wrap(combined_x), wrap(combined_weights));
+    profile_.stamp("join back");
+    py::tuple result = py::make_tuple(wrap(combined_x), wrap(combined_weights));
+    profile_.stamp("outputs to Python");
+    return result;
   }
 
   // An uncached dispatch with everyday arguments, up to the host's wait for the counts: the checks,
@@ -228,6 +307,7 @@ class HtHostPath {
   py::object begin_dispatch(Runtime& runtime, py::handle x, py::handle topk_idx, py::handle topk_weights,
                             int num_experts, int64_t num_max_tokens, int expert_alignment, bool do_expand,
                             bool cpu_sync, int num_sms, int max_topk, std::uintptr_t compute_stream) {
+    profile_.begin(HostPathProfile::kBeginDispatch);
     std::optional<at::Tensor> data;
     std::optional<at::Tensor> scales;
     if (!dispatch_input(x, data, scales)) return py::none();
@@ -251,20 +331,27 @@ class HtHostPath {
     const HtCall* call = find_call(runtime, {num_max_tokens, hidden, num_topk, num_experts, scales.has_value(), false});
     if (call == nullptr) return py::none();
 
+    profile_.stamp("checks");
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
     const NotifyBlock notify(at::empty({NotifyBlock::num_ints(*call, num_tokens)}, options.dtype(at::kInt)), *call,
                              num_tokens);
+    profile_.stamp("notify block");
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
     if (cpu_sync) runtime.reset_mapped_counter(ht::kMappedReady);
+    profile_.stamp("join");
     launch_ht_notify(runtime, *call, address(*routing), address(notify.routing), static_cast<int>(num_tokens),
                      expert_alignment, do_expand, address(notify.expert_slot), address(notify.dst_slot),
                      address(notify.scratch), address(notify.counts), cpu_sync, 0, address(notify.hybrid_routing), *sms,
                      comm_stream_, false);
+    profile_.stamp("notify launch");
     launch_ht_dispatch(runtime, *call, static_cast<int>(num_tokens), address(*data), address(scales),
                        address(notify.routing), address(weights), address(notify.dst_slot), address(notify.expert_slot),
                        0, address(notify.hybrid_routing), false, *sms, comm_stream_, false);
-    return py::make_tuple(py::cast(*call), *sms, notify.to_python());
+    profile_.stamp("dispatch launch");
+    py::tuple result = py::make_tuple(py::cast(*call), *sms, notify.to_python());
+    profile_.stamp("arrays to Python");
+    return result;
   }
 
   // The rest of an uncached dispatch begun by begin_dispatch, once the handle has its sizes: the
@@ -273,6 +360,7 @@ class HtHostPath {
   py::tuple finish_dispatch(Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment,
                             bool has_weights, py::handle counts, int64_t num_recv_tokens, int64_t num_expanded_tokens,
                             std::uintptr_t compute_stream) {
+    profile_.begin(HostPathProfile::kFinishDispatch);
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
     const int num_topk = call.num_topk;
     const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
@@ -280,13 +368,18 @@ class HtHostPath {
     if (do_expand) expanded_rows = at::empty({num_recv_tokens, num_topk}, options.dtype(at::kInt));
     const at::Tensor src_info = at::empty({num_recv_tokens, int64_t{ht::kSrcInfoColumns}}, options.dtype(at::kInt));
     const auto outputs = allocate_dispatch_outputs(call, num_rows, do_expand, has_weights);
+    profile_.stamp("allocations");
     launch_ht_dispatch_epilogue(
         runtime, call, do_expand, expert_alignment, has_weights, address(THPVariable_Unpack(counts.ptr())), num_rows,
         num_recv_tokens, address(outputs.x), address(outputs.scales), address(outputs.topk_idx),
         address(outputs.weights), address(src_info), address(expanded_rows), max_num_sms_, comm_stream_);
+    profile_.stamp("epilogue launch");
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
-    return py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights),
-                          wrap(src_info), wrap(expanded_rows));
+    profile_.stamp("join back");
+    py::tuple result = py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx),
+                                      wrap(outputs.weights), wrap(src_info), wrap(expanded_rows));
+    profile_.stamp("outputs to Python");
+    return result;
   }
 
  private:
@@ -400,6 +493,7 @@ class HtHostPath {
   int max_num_sms_;
   int max_ht_num_sms_;
   int64_t num_calls_ = 0;
+  HostPathProfile profile_;
   std::vector<std::pair<std::pair<int, int>, int>> num_sms_estimates_;
   std::vector<std::pair<CallKey, HtCall>> calls_;
 };
@@ -428,6 +522,8 @@ void register_ht_host_path(py::module_& m) {
            py::arg("max_ht_num_sms"))
       .def("remember_num_sms", &HtHostPath::remember_num_sms)
       .def_property_readonly("num_calls", &HtHostPath::num_calls)
+      .def("start_profile", &HtHostPath::start_profile)
+      .def("stop_profile", &HtHostPath::stop_profile)
       // Positional arguments only: keyword matching costs host time on every call.
       .def("cached_dispatch", &HtHostPath::cached_dispatch)
       .def("begin_dispatch", &HtHostPath::begin_dispatch)
