@@ -19,9 +19,10 @@ enum class ClockedKernel : int32_t {
   kLlDispatchRecv = 3,
   kLlCombineSend = 4,
   kLlCombineRecv = 5,
+  kHtCombinePull = 6,
 };
 
-constexpr int kPhaseClockKernels = static_cast<int>(ClockedKernel::kLlCombineRecv) + 1;
+constexpr int kPhaseClockKernels = static_cast<int>(ClockedKernel::kHtCombinePull) + 1;
 constexpr int kPhaseClockCtas = 160;  // stamps of CTAs beyond this are not kept
 constexpr int kPhaseClockStamps = 14;
 constexpr int64_t kPhaseClockEntries = int64_t{kPhaseClockKernels} * kPhaseClockCtas * kPhaseClockStamps;
@@ -42,6 +43,7 @@ inline constexpr ClockedKernelNames kClockedKernelNames[kPhaseClockKernels] = {
     {"ll_dispatch_recv", {"start", "counts_arrived", "rows_copied"}},
     {"ll_combine_send", {"start", "gate_open", "rows_sent", "arrivals_published", "end"}},
     {"ll_combine_recv", {"start", "rows_arrived", "rows_reduced"}},
+    {"ht_combine_pull", {"start", "entry_barrier", "grid_synced", "rows_summed", "exit_grid_synced", "exit_barrier"}},
 };
 static_assert(kClockedKernelNames[kPhaseClockKernels - 1].kernel != nullptr,
               "every ClockedKernel needs its names (in enum order)");

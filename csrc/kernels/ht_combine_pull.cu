@@ -16,6 +16,7 @@
 #include "kernels/barrier.cuh"
 #include "kernels/high_throughput.hpp"
 #include "kernels/ht_common.cuh"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/topology_barrier.cuh"
 
@@ -34,10 +35,15 @@ constexpr int kSumUnroll = 2;
 __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const PullCombineArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
+  clock_phase(view, ClockedKernel::kHtCombinePull, 0);
   // Every rank's combine input was written on its stream before its combine launched: complete once
   // every rank has arrived.
-  if (blockIdx.x == 0 && !topology_barrier(view, Operation::kHtCombine, args.input_failed)) return;
+  if (blockIdx.x == 0) {
+    if (!topology_barrier(view, Operation::kHtCombine, args.input_failed)) return;
+    clock_phase(view, ClockedKernel::kHtCombinePull, 1);
+  }
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
+  clock_phase(view, ClockedKernel::kHtCombinePull, 2);
 
   const int lane = lane_id();
   const int num_topk = call.num_topk;
@@ -93,9 +99,11 @@ __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const Pul
     }
   }
 
+  clock_phase(view, ClockedKernel::kHtCombinePull, 3);
   // No rank may overwrite its combine input (its caller's next expert outputs) while a peer reads it.
   if (!grid_sync(view, Operation::kHtCombine, kGridSlotCombine)) return;
-  if (blockIdx.x == 0) rank_barrier(view, Operation::kHtCombine);
+  clock_phase(view, ClockedKernel::kHtCombinePull, 4);
+  if (blockIdx.x == 0 && rank_barrier(view, Operation::kHtCombine)) clock_phase(view, ClockedKernel::kHtCombinePull, 5);
 }
 
 }  // namespace

@@ -35,6 +35,10 @@ NOTIFY_COUNT_ORDER = ("start", "ids_loaded", "ids_staged", "block_counted", "own
 NOTIFY_CTA0_ORDER = ("counts_sent", "counts_arrived", "expert_counts_taken", "counts_written")
 DISPATCH_ORDER = ("start", "rows_sent", "grid_synced")
 CACHED_DISPATCH_ORDER = ("start", "entry_barrier", "rows_sent", "grid_synced")
+PULL_ORDER = ("start", "grid_synced", "rows_summed", "exit_grid_synced")
+# CTA 0 passes the entry barrier before any CTA leaves the grid sync; its exit barrier is only
+# checked as reached (another CTA may stamp its exit grid sync after CTA 0's barrier).
+PULL_CTA0_ORDER = ("entry_barrier", "grid_synced")
 LL_ORDERS = {
     "ll_dispatch_send": ("start", "gate_open", "lists_built", "rows_sent", "arrivals_published", "end"),
     "ll_dispatch_recv": ("start", "counts_arrived", "rows_copied"),
@@ -98,7 +102,7 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
             _check_order(problems, "cached dispatch", cached["ht_dispatch"], CACHED_DISPATCH_ORDER)
         buffer.combine(expert_output(recv_x, rank, True), handle, topk_weights=recv_weights)
         torch.cuda.synchronize()
-        phase_clock.read(buffer)  # HT combine kernels are not clocked
+        phase_clock.read(buffer)  # the push combine kernels are not clocked
 
         data = make_group_inputs(num_ranks, LL_TOKENS, HIDDEN, LL_EXPERTS, LL_TOPK, seed=73)
         ll_inputs, expected = reference_case(rank, data, LL_EXPERTS, LL_TOKENS, use_fp8=True)
@@ -124,6 +128,45 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
     return problems
 
 
+def _pull_combine_stamps(rank: int, num_ranks: int, group) -> list[str]:
+    os.environ[phase_clock.ENV] = "1"
+    buffer = deep_ep.ElasticBuffer(
+        group,
+        num_max_tokens_per_rank=CASE.num_max_tokens,
+        hidden=HIDDEN,
+        num_topk=LL_TOPK,
+        zero_copy_combine=True,
+        explicitly_destroy=True,
+    )
+    problems: list[str] = []
+    try:
+        inputs = group_inputs(CASE, num_ranks)
+        recv_x, _, recv_weights, handle, _ = dispatch_case(buffer, rank, CASE, inputs, zero_copy_recv=True)
+        y = expert_output(recv_x, rank, True)
+        want = buffer.combine(y, handle, topk_weights=recv_weights)
+        rows = buffer.get_combine_input_buffer(handle, hidden=HIDDEN)
+        rows.copy_(y)
+        torch.cuda.synchronize()
+        phase_clock.read(buffer)  # the dispatch and the push combine
+        got = buffer.combine(rows, handle, topk_weights=recv_weights, zero_copy=True)
+        torch.cuda.synchronize()
+        stamps = phase_clock.read(buffer)
+        if set(stamps) != {"ht_combine_pull"}:
+            problems.append(f"zero-copy combine stamped {sorted(stamps)}")
+        else:
+            _check_order(problems, "zero-copy combine", stamps["ht_combine_pull"], PULL_ORDER)
+            _check_order(problems, "zero-copy combine, CTA 0", stamps["ht_combine_pull"], PULL_CTA0_ORDER)
+            if stamps["ht_combine_pull"]["exit_barrier"] is None:
+                problems.append("the zero-copy combine stamped no exit barrier")
+        if bool((got[0].view(torch.int16) != want[0].view(torch.int16)).any()):
+            problems.append("the zero-copy combine with the phase clock differs from the push combine")
+        buffer._check_device_errors()
+    finally:
+        buffer.destroy()
+        os.environ.pop(phase_clock.ENV, None)
+    return problems
+
+
 def _no_clock_by_default(rank: int, num_ranks: int, group) -> list[str]:
     os.environ.pop(phase_clock.ENV, None)
     buffer = deep_ep.ElasticBuffer(
@@ -140,6 +183,11 @@ def _no_clock_by_default(rank: int, num_ranks: int, group) -> list[str]:
 
 def test_every_clocked_kernel_stamps_its_phases_in_order_and_results_stay_exact(num_ranks):
     problems = launch(_stamps_every_phase, num_ranks)
+    assert all(found == [] for found in problems), problems
+
+
+def test_the_zero_copy_combine_stamps_its_phases_in_order_and_stays_exact(num_ranks):
+    problems = launch(_pull_combine_stamps, num_ranks)
     assert all(found == [] for found in problems), problems
 
 
