@@ -605,6 +605,11 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
 
     def _wait_mapped_counter(self, index: int) -> int:
         value = self._runtime.wait_mapped_counter(index)
+        self._check_mapped_wait(value)
+        return value
+
+    def _check_mapped_wait(self, value: int) -> None:
+        """Raise what a host wait on a mapped counter ended on, when it was a timeout or a device error."""
         if value == _C.MAPPED_WAIT_DEVICE_ERROR:
             self._check_device_errors()
         if value in (_C.MAPPED_WAIT_TIMEOUT, _C.MAPPED_WAIT_DEVICE_ERROR):
@@ -621,7 +626,6 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
                 phase="host wait",
             )
             raise self._failure
-        return value
 
     def _debug_count_dirty_workspace_bytes(self) -> int:
         """Synchronises the current stream; non-zero bytes where the workspace invariant wants zeros."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,13 @@ class EventOverlap:
             self.current_stream_wait()
 
 
+@functools.cache
+def _cuda_present() -> bool:
+    # torch.cuda.is_available() reads the environment and counts devices on every call (a few µs
+    # on the uncached dispatch's path to its first launch); the answer does not change.
+    return torch.cuda.is_available()
+
+
 def stream_capturing() -> bool:
     """True inside CUDA-graph capture on the current stream (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _cuda_present() and torch._C._cuda_isCurrentStreamCapturing()

@@ -701,27 +701,18 @@ class HighThroughputMixin:
         call, num_sms, block = begun
         num_topk = topk_idx.shape[1]
         handle = self._handle_from_notify_block(call, block, expert_alignment, do_expand, do_cpu_sync, num_sms)
-        num_local = num_experts // self.num_ranks
-        if do_cpu_sync:
-            comm = self._comm_stream.cuda_stream
-            self._read_dispatch_counts(lambda: self._runtime.join_streams(compute, comm), handle, num_local)
-        else:
+        if not do_cpu_sync:
             handle.num_recv_tokens, handle.num_expanded_tokens = worst_case_rows(
                 self.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
             )
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle.recv_src_info, handle.recv_expanded_row_idx = (
-            host_path.finish_dispatch(
-                self._runtime,
-                call,
-                do_expand,
-                expert_alignment,
-                topk_weights is not None,
-                handle.counts,
-                handle.num_recv_tokens,
-                handle.num_expanded_tokens,
-                compute,
-            )
+        # With do_cpu_sync the host path waits for the counts and fills the handle's sizes itself.
+        outputs = host_path.finish_dispatch(
+            self._runtime, call, handle, do_expand, expert_alignment, topk_weights is not None, do_cpu_sync, compute
         )
+        if type(outputs) is int:
+            comm = self._comm_stream.cuda_stream
+            self._raise_dispatch_count_failure(lambda: self._runtime.join_streams(compute, comm), outputs)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
 
@@ -745,6 +736,17 @@ class HighThroughputMixin:
         handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
         if history_key is not None:
             self._ht_last_counts[history_key] = (handle.num_recv_tokens, handle.num_expanded_tokens)
+
+    def _raise_dispatch_count_failure(self, join_caller: Callable[[], None], wait_value: int) -> None:
+        """The host path's wait for the counts ended on a timeout or found an error the kernels
+        recorded (``wait_value``: what the wait returned): raise it as _read_dispatch_counts does."""
+        try:
+            self._check_mapped_wait(wait_value)
+            self._check_device_errors()
+            raise RuntimeError(f"the host path reported a failed count wait ({wait_value}) with no error recorded")
+        except BaseException:
+            join_caller()
+            raise
 
     def _notify(
         self,

@@ -10,6 +10,7 @@
 // the less common case. So this path must accept nothing the Python path would refuse: its checks
 // are the Python checks of the same arguments, and the handle fields it reads are EPHandle's.
 #include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -21,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/error_record.hpp"
 #include "common/geometry.hpp"
 #include "common/ht_call.hpp"
 #include "kernels/high_throughput.hpp"
@@ -72,23 +74,23 @@ struct NotifyBlock {
     const int num_ranks = call.num_ranks();
     const int num_local = call.num_local_experts();
     const ht::CountsLayout layout = ht::counts_layout(num_ranks, num_local);
-    routing = block.narrow(0, 0, 2 * entries).view(at::kLong).view({num_tokens, call.num_topk});
-    expert_slot = block.narrow(0, 2 * entries, entries).view({num_tokens, call.num_topk});
-    dst_slot = block.narrow(0, 3 * entries, entries).view({num_tokens, call.num_topk});
-    counts = block.narrow(0, 4 * entries, layout.total);
-    recv_per_source = counts.narrow(0, layout.recv_per_source, num_ranks);
-    psum_per_source = counts.narrow(0, layout.psum_per_source, num_ranks);
-    expert_offsets =
-        counts.narrow(0, layout.expert_offsets, int64_t{num_ranks} * num_local).view({num_ranks, num_local});
-    unaligned_per_expert = counts.narrow(0, layout.unaligned_per_expert, num_local);
-    expert_start = counts.narrow(0, layout.expert_start, num_local);
-    psum_per_expert = counts.narrow(0, layout.psum_per_expert, num_local);
-    int64_t offset = 4 * entries + layout.total;
-    if (call.hybrid()) hybrid_routing = block.narrow(0, offset, hybrid_ints(call, num_tokens));
+    const int64_t counts_at = 4 * entries;
+    routing = ints_view(0, {num_tokens, call.num_topk}, at::kLong);
+    expert_slot = ints_view(2 * entries, {num_tokens, call.num_topk});
+    dst_slot = ints_view(3 * entries, {num_tokens, call.num_topk});
+    counts = ints_view(counts_at, {layout.total});
+    recv_per_source = ints_view(counts_at + layout.recv_per_source, {num_ranks});
+    psum_per_source = ints_view(counts_at + layout.psum_per_source, {num_ranks});
+    expert_offsets = ints_view(counts_at + layout.expert_offsets, {num_ranks, num_local});
+    unaligned_per_expert = ints_view(counts_at + layout.unaligned_per_expert, {num_local});
+    expert_start = ints_view(counts_at + layout.expert_start, {num_local});
+    psum_per_expert = ints_view(counts_at + layout.psum_per_expert, {num_local});
+    int64_t offset = counts_at + layout.total;
+    if (call.hybrid()) hybrid_routing = ints_view(offset, {hybrid_ints(call, num_tokens)});
     offset += hybrid_ints(call, num_tokens);
-    if (call.zero_copy_recv) send_base = block.narrow(0, offset, num_ranks);
+    if (call.zero_copy_recv) send_base = ints_view(offset, {num_ranks});
     offset += call.zero_copy_recv ? num_ranks : 0;
-    scratch = block.narrow(0, offset, ht::notify_scratch_ints(call, num_tokens));
+    scratch = ints_view(offset, {ht::notify_scratch_ints(call, num_tokens)});
   }
 
   // As deep_ep/high_throughput.py builds the handle from them (_handle_from_notify_block).
@@ -99,6 +101,19 @@ struct NotifyBlock {
   }
 
  private:
+  // A contiguous view of the block from int `first` on, made without the dispatcher: narrow and
+  // view cost about 1 µs each on the host, and the uncached dispatch takes thirteen of them before
+  // its handle exists. The view shares the block's storage like any view; the block never
+  // requires grad, so no autograd view record is needed.
+  at::Tensor ints_view(int64_t first, at::IntArrayRef sizes, at::ScalarType dtype = at::kInt) const {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                     c10::scalarTypeToTypeMeta(dtype));
+    impl->set_sizes_contiguous(sizes);
+    // Every view starts at a multiple of its element size: routing (int64) is at int 0.
+    impl->set_storage_offset((block.storage_offset() + first) * int64_t{sizeof(int32_t)} / c10::elementSize(dtype));
+    return at::Tensor::wrap_tensor_impl(std::move(impl));
+  }
+
   static int64_t hybrid_ints(const HtCall& call, int64_t num_tokens) {
     return call.hybrid() ? ht::hybrid_routing(nullptr, call, num_tokens).total_ints : 0;
   }
@@ -354,30 +369,50 @@ class HtHostPath {
     return result;
   }
 
-  // The rest of an uncached dispatch begun by begin_dispatch, once the handle has its sizes: the
-  // handle's per-row arrays and the outputs, the copy epilogue, the caller's stream joined. Returns
-  // (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_info, recv_expanded_row_idx).
-  py::tuple finish_dispatch(Runtime& runtime, const HtCall& call, bool do_expand, int expert_alignment,
-                            bool has_weights, py::handle counts, int64_t num_recv_tokens, int64_t num_expanded_tokens,
-                            std::uintptr_t compute_stream) {
+  // The rest of an uncached dispatch begun by begin_dispatch. With cpu_sync: the host's wait for the
+  // counts (GIL released), then the handle's sizes set from them; without: the sizes high_throughput.py
+  // put in the handle (worst case). Then the handle's per-row arrays (set in the handle) and the
+  // outputs, the copy epilogue and the caller's stream joined. Returns (recv_x, recv_scales,
+  // recv_topk_idx, recv_topk_weights), or the wait's value (an int) when the wait timed out or the
+  // kernels recorded an error: high_throughput.py then raises it, after joining the streams.
+  py::object finish_dispatch(Runtime& runtime, const HtCall& call, py::handle handle, bool do_expand,
+                             int expert_alignment, bool has_weights, bool cpu_sync, std::uintptr_t compute_stream) {
+    if (cpu_sync) {
+      int32_t ready = 0;
+      {
+        py::gil_scoped_release release;
+        ready = runtime.wait_mapped_counter(ht::kMappedReady);
+      }
+      if (ready < 0 || any_error(runtime.error_record())) return py::int_(ready);
+      const int num_local = call.num_local_experts();
+      const std::vector<int32_t> values = runtime.read_mapped_counters(0, ht::kMappedAlignedExpertCounts + num_local);
+      handle.attr("num_recv_tokens") = values[ht::kMappedNumRecvTokens];
+      handle.attr("num_expanded_tokens") = values[ht::kMappedNumExpandedTokens];
+      py::list per_expert(num_local);
+      for (int l = 0; l < num_local; ++l) per_expert[l] = values[ht::kMappedAlignedExpertCounts + l];
+      handle.attr("num_recv_tokens_per_expert_list") = per_expert;
+    }
     profile_.begin(HostPathProfile::kFinishDispatch);
+    const int64_t num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
+    const int64_t num_rows = do_expand ? handle.attr("num_expanded_tokens").cast<int64_t>() : num_recv_tokens;
+    const at::Tensor counts = tensor_field(handle, "counts");
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
-    const int num_topk = call.num_topk;
-    const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
     std::optional<at::Tensor> expanded_rows;
-    if (do_expand) expanded_rows = at::empty({num_recv_tokens, num_topk}, options.dtype(at::kInt));
+    if (do_expand) expanded_rows = at::empty({num_recv_tokens, int64_t{call.num_topk}}, options.dtype(at::kInt));
     const at::Tensor src_info = at::empty({num_recv_tokens, int64_t{ht::kSrcInfoColumns}}, options.dtype(at::kInt));
     const auto outputs = allocate_dispatch_outputs(call, num_rows, do_expand, has_weights);
     profile_.stamp("allocations");
-    launch_ht_dispatch_epilogue(
-        runtime, call, do_expand, expert_alignment, has_weights, address(THPVariable_Unpack(counts.ptr())), num_rows,
-        num_recv_tokens, address(outputs.x), address(outputs.scales), address(outputs.topk_idx),
-        address(outputs.weights), address(src_info), address(expanded_rows), max_num_sms_, comm_stream_);
+    launch_ht_dispatch_epilogue(runtime, call, do_expand, expert_alignment, has_weights, address(counts), num_rows,
+                                num_recv_tokens, address(outputs.x), address(outputs.scales), address(outputs.topk_idx),
+                                address(outputs.weights), address(src_info), address(expanded_rows), max_num_sms_,
+                                comm_stream_);
     profile_.stamp("epilogue launch");
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
     profile_.stamp("join back");
-    py::tuple result = py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx),
-                                      wrap(outputs.weights), wrap(src_info), wrap(expanded_rows));
+    handle.attr("recv_src_info") = wrap(src_info);
+    handle.attr("recv_expanded_row_idx") = wrap(expanded_rows);
+    py::tuple result =
+        py::make_tuple(wrap(outputs.x), wrap(outputs.scales), wrap(outputs.topk_idx), wrap(outputs.weights));
     profile_.stamp("outputs to Python");
     return result;
   }

@@ -161,3 +161,108 @@ def test_a_handle_of_another_buffer_stays_on_the_python_path():
     with pytest.raises(ValueError, match="handle comes from a dispatch of another buffer"):
         buffer.combine(torch.zeros(5, 8), handle)
     assert host_path.calls == []
+
+
+class _Call:
+    """The HtCall fields the handle is built from."""
+
+    num_experts = 8
+    num_max_tokens_per_rank = 16
+    hybrid = False
+    scaleout_row_bytes = 0
+
+
+def _notify_block(num_tokens: int, num_topk: int) -> tuple:
+    """NotifyBlock.to_python's arrays (routing, slots, counts fields, hybrid, send base, scratch)."""
+    ints = torch.zeros(4, dtype=torch.int32)
+    return (torch.zeros(num_tokens, num_topk, dtype=torch.int64), *([ints] * 9), None, None, ints)
+
+
+class _UncachedHostPath(_RecordingHostPath):
+    """begin_dispatch succeeds; finish_dispatch answers `finish` (outputs, or the count wait's int)
+    and, for outputs, fills the handle's sizes as the C++ host path does after its wait."""
+
+    def __init__(self, finish: Any) -> None:
+        super().__init__(None)
+        self.finish = finish
+        self.finish_arguments: tuple = ()
+
+    def begin_dispatch(self, runtime, x, topk_idx, topk_weights, *rest):
+        self.calls.append("begin_dispatch")
+        return _Call(), 4, _notify_block(*topk_idx.shape)
+
+    def finish_dispatch(self, runtime, call, handle, do_expand, expert_alignment, has_weights, cpu_sync, stream):
+        self.calls.append("finish_dispatch")
+        self.finish_arguments = (do_expand, expert_alignment, has_weights, cpu_sync)
+        if cpu_sync and type(self.finish) is not int:
+            handle.num_recv_tokens = 5
+        return self.finish
+
+
+class _JoinRecordingRuntime:
+    def __init__(self) -> None:
+        self.joins = 0
+
+    def join_streams(self, waiting, signalling):
+        self.joins += 1
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+def _uncached_buffer(host_path: _UncachedHostPath) -> _Buffer:
+    buffer = _Buffer(host_path)
+    buffer._runtime = _JoinRecordingRuntime()
+    buffer._comm_stream = _Stream()
+    return buffer
+
+
+def test_an_uncached_dispatch_on_the_host_path_returns_its_outputs_and_a_handle_with_the_sizes():
+    outputs = (torch.zeros(5, 8), torch.zeros(5, 1), torch.zeros(5, 2, dtype=torch.int64), None)
+    host_path = _UncachedHostPath(outputs)
+    buffer = _uncached_buffer(host_path)
+    recv_x, recv_topk_idx, recv_weights, handle, _ = buffer.dispatch(
+        torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64)
+    )
+    assert host_path.calls == ["begin_dispatch", "finish_dispatch"]
+    assert host_path.finish_arguments == (False, 1, False, True)
+    assert recv_x == (outputs[0], outputs[1]) and recv_topk_idx is outputs[2] and recv_weights is None
+    assert handle.num_recv_tokens == 5 and handle.owner_id == buffer._serial and handle.num_sms == 4
+    assert buffer._runtime.joins == 0
+
+
+def test_an_unsynced_dispatch_on_the_host_path_gets_worst_case_sizes_before_finishing():
+    host_path = _UncachedHostPath((torch.zeros(32, 8), None, None, None))
+    buffer = _uncached_buffer(host_path)
+    *_, handle, _ = buffer.dispatch(
+        torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64), do_cpu_sync=False
+    )
+    assert host_path.finish_arguments[3] is False
+    # R * T_max rows (2 ranks, 16 tokens), set by high_throughput.py, not by the host path.
+    assert handle.num_recv_tokens == 32
+
+
+@pytest.mark.parametrize("wait_value", [-1, -2, 1])
+def test_a_failed_count_wait_on_the_host_path_joins_the_streams_and_raises_what_the_buffer_reports(wait_value):
+    host_path = _UncachedHostPath(wait_value)
+    buffer = _uncached_buffer(host_path)
+    seen = []
+
+    def check_mapped_wait(value):
+        seen.append(("wait", value))
+        if value < 0:
+            raise RuntimeError(f"wait ended on {value}")
+
+    def check_device_errors():
+        seen.append(("errors",))
+        raise ValueError("a bad expert id")
+
+    buffer._check_mapped_wait = check_mapped_wait
+    buffer._check_device_errors = check_device_errors
+    expected = RuntimeError if wait_value < 0 else ValueError
+    with pytest.raises(expected):
+        buffer.dispatch(torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.int64))
+    # The kernels may still read the handle's arrays and the inputs: the caller's stream waits for them.
+    assert buffer._runtime.joins == 1
+    assert seen[0] == ("wait", wait_value) and (wait_value < 0 or seen[1] == ("errors",))
