@@ -12,7 +12,8 @@
 #       working tree, builds it, runs COMMAND with $AB_SIDE=after. COMMAND typically writes under
 #       "$OUT/{side}" ({side} in an argument becomes before / after; use it, not $AB_SIDE, inside
 #       EP_GPU_CHECK_COMMANDS, whose bash -c would expand $AB_SIDE too early). MPS is started
-#       around each side (scripts/mps.sh). Exit status: 1 if a build fails, else COMMAND's status
+#       around each side (scripts/mps.sh; a server already running at the start is stopped first
+#       and started again at the end). Exit status: 1 if a build fails, else COMMAND's status
 #       on the after side.
 #   bash scripts/ab_compare.sh clean
 #       removes ab_before/ (never commit it).
@@ -84,6 +85,13 @@ case "${1:-}" in
       mkdir -p "$(dirname "$path")"
       cp "$SNAPSHOT/files/$path" "$path"
     done
+    # gpu_check.sh runs its commands under one MPS server: leave it as we found it (build failures
+    # included), or the commands after this one run without MPS and every cross-rank wait costs
+    # milliseconds.
+    if [[ $(bash scripts/mps.sh status) == running ]]; then
+      bash scripts/mps.sh stop
+      trap 'bash scripts/mps.sh start' EXIT
+    fi
     status=0
     if build "$OUT/build_before.log"; then
       bash scripts/mps.sh start
