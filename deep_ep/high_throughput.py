@@ -644,9 +644,10 @@ class HighThroughputMixin:
         do_expand: Any,
     ) -> tuple[Any, ...] | None:
         """dispatch through the C++ host path, or None: the Python path takes the call. Cached: one
-        call. Uncached: the checks and launches up to the host's wait there, the handle built and
-        the counts read here, then the outputs and the copy epilogue there (the speculative
-        epilogue stays on the Python path)."""
+        call. Uncached: the checks and launches up to the host's wait there, the handle built here
+        (while the notify runs), then the wait for the counts, the outputs and the copy epilogue
+        there; a failed wait comes back as an int and is raised here (the speculative epilogue
+        stays on the Python path)."""
         if handle is not None:
             if not (
                 type(handle) is EPHandle

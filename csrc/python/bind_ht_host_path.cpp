@@ -318,7 +318,7 @@ class HtHostPath {
   // An uncached dispatch with everyday arguments, up to the host's wait for the counts: the checks,
   // the notify block, the notify and dispatch launches. Returns (call, num_sms, notify block
   // arrays as NotifyBlock::to_python) or None for the Python path. high_throughput.py then builds
-  // the handle, waits for the counts (do_cpu_sync) and calls finish_dispatch.
+  // the handle (while the notify runs) and calls finish_dispatch, which waits for the counts.
   py::object begin_dispatch(Runtime& runtime, py::handle x, py::handle topk_idx, py::handle topk_weights,
                             int num_experts, int64_t num_max_tokens, int expert_alignment, bool do_expand,
                             bool cpu_sync, int num_sms, int max_topk, std::uintptr_t compute_stream) {
