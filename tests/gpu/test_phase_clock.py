@@ -57,27 +57,46 @@ def _check_order(problems: list[str], what: str, phases: dict, order: tuple[str,
         problems.append(f"{what}: stamps out of order {dict(zip(order, times, strict=True))}")
 
 
-def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
+def _clocked_buffer(group, **options) -> deep_ep.ElasticBuffer:
+    """A buffer built with the phase clock (the caller pops the variable when done)."""
     os.environ[phase_clock.ENV] = "1"
-    buffer = deep_ep.ElasticBuffer(
+    return deep_ep.ElasticBuffer(
         group,
         num_max_tokens_per_rank=CASE.num_max_tokens,
         hidden=HIDDEN,
         num_topk=LL_TOPK,
-        num_max_dispatch_tokens_per_rank=LL_TOKENS,
-        num_experts=LL_EXPERTS,
         explicitly_destroy=True,
+        **options,
     )
+
+
+def _run_clocked(problems: list[str], what: str, buffer, call, *kernels: str) -> tuple:
+    """(call's result, its stamps) once the GPU is done; stamps None (and a problem noted) unless
+    exactly ``kernels`` stamped."""
+    result = call()
+    torch.cuda.synchronize()
+    stamps = phase_clock.read(buffer)
+    if set(stamps) != set(kernels):
+        problems.append(f"{what} stamped {sorted(stamps)}")
+        return result, None
+    return result, stamps
+
+
+def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
+    buffer = _clocked_buffer(group, num_max_dispatch_tokens_per_rank=LL_TOKENS, num_experts=LL_EXPERTS)
     problems: list[str] = []
     try:
         phase_clock.read(buffer)  # whatever construction left
         inputs = group_inputs(CASE, num_ranks)
-        recv_x, _, recv_weights, handle, _ = dispatch_case(buffer, rank, CASE, inputs)
-        torch.cuda.synchronize()
-        uncached = phase_clock.read(buffer)
-        if set(uncached) != {"ht_notify", "ht_dispatch"}:
-            problems.append(f"uncached dispatch stamped {sorted(uncached)}")
-        else:
+        (recv_x, _, recv_weights, handle, _), uncached = _run_clocked(
+            problems,
+            "uncached dispatch",
+            buffer,
+            lambda: dispatch_case(buffer, rank, CASE, inputs),
+            "ht_notify",
+            "ht_dispatch",
+        )
+        if uncached is not None:
             _check_order(problems, "notify", uncached["ht_notify"], NOTIFY_ORDER)
             if inputs.num_tokens[rank] > 0:
                 _check_order(problems, "notify count phase", uncached["ht_notify"], NOTIFY_COUNT_ORDER)
@@ -93,12 +112,14 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
             if dispatch["start_ns"] < notify["start_ns"] + notify["counts_written"] * 1e3:
                 problems.append("the dispatch kernel's stamps start before the notify kernel's end (stream order)")
 
-        dispatch_case(buffer, rank, CASE, inputs, handle=handle)
-        torch.cuda.synchronize()
-        cached = phase_clock.read(buffer)
-        if set(cached) != {"ht_dispatch"}:
-            problems.append(f"cached dispatch stamped {sorted(cached)}")
-        else:
+        _, cached = _run_clocked(
+            problems,
+            "cached dispatch",
+            buffer,
+            lambda: dispatch_case(buffer, rank, CASE, inputs, handle=handle),
+            "ht_dispatch",
+        )
+        if cached is not None:
             _check_order(problems, "cached dispatch", cached["ht_dispatch"], CACHED_DISPATCH_ORDER)
         buffer.combine(expert_output(recv_x, rank, True), handle, topk_weights=recv_weights)
         torch.cuda.synchronize()
@@ -129,15 +150,7 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
 
 
 def _pull_combine_stamps(rank: int, num_ranks: int, group) -> list[str]:
-    os.environ[phase_clock.ENV] = "1"
-    buffer = deep_ep.ElasticBuffer(
-        group,
-        num_max_tokens_per_rank=CASE.num_max_tokens,
-        hidden=HIDDEN,
-        num_topk=LL_TOPK,
-        zero_copy_combine=True,
-        explicitly_destroy=True,
-    )
+    buffer = _clocked_buffer(group, zero_copy_combine=True)
     problems: list[str] = []
     try:
         inputs = group_inputs(CASE, num_ranks)
@@ -148,12 +161,14 @@ def _pull_combine_stamps(rank: int, num_ranks: int, group) -> list[str]:
         rows.copy_(y)
         torch.cuda.synchronize()
         phase_clock.read(buffer)  # the dispatch and the push combine
-        got = buffer.combine(rows, handle, topk_weights=recv_weights, zero_copy=True)
-        torch.cuda.synchronize()
-        stamps = phase_clock.read(buffer)
-        if set(stamps) != {"ht_combine_pull"}:
-            problems.append(f"zero-copy combine stamped {sorted(stamps)}")
-        else:
+        got, stamps = _run_clocked(
+            problems,
+            "zero-copy combine",
+            buffer,
+            lambda: buffer.combine(rows, handle, topk_weights=recv_weights, zero_copy=True),
+            "ht_combine_pull",
+        )
+        if stamps is not None:
             _check_order(problems, "zero-copy combine", stamps["ht_combine_pull"], PULL_ORDER)
             _check_order(problems, "zero-copy combine, CTA 0", stamps["ht_combine_pull"], PULL_CTA0_ORDER)
             if stamps["ht_combine_pull"]["exit_barrier"] is None:
