@@ -135,6 +135,11 @@ EP_HOST_DEVICE inline HybridRouting hybrid_routing(int32_t* block, const HtCall&
   return routing;
 }
 
+// Ints of one dispatch's hybrid routing block (0 in direct mode, which has none).
+inline int64_t hybrid_routing_ints(const HtCall& call, int64_t num_tokens) {
+  return call.hybrid() ? hybrid_routing(nullptr, call, num_tokens).total_ints : 0;
+}
+
 struct NotifyArgs {
   DeviceView view;
   HtCall call;

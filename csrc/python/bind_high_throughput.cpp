@@ -244,10 +244,8 @@ void register_high_throughput(py::module_& m) {
 
   m.def(
       "ht_hybrid_routing_ints",
-      [](const HtCall& call, int64_t num_tokens) {
-        return call.hybrid() ? ht::hybrid_routing(nullptr, call, num_tokens).total_ints : int64_t{0};
-      },
-      py::arg("call"), py::arg("num_tokens"));
+      [](const HtCall& call, int64_t num_tokens) { return ht::hybrid_routing_ints(call, num_tokens); }, py::arg("call"),
+      py::arg("num_tokens"));
 
   m.def("ht_notify", &launch_ht_notify);
 

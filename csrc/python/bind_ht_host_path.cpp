@@ -72,7 +72,7 @@ struct NotifyBlock {
 
   static int64_t num_ints(const HtCall& call, int64_t num_tokens) {
     return 4 * num_tokens * call.num_topk + ht::counts_layout(call.num_ranks(), call.num_local_experts()).total +
-           hybrid_ints(call, num_tokens) + (call.zero_copy_recv ? call.num_ranks() : 0) +
+           ht::hybrid_routing_ints(call, num_tokens) + (call.zero_copy_recv ? call.num_ranks() : 0) +
            ht::notify_scratch_ints(call, num_tokens);
   }
 
@@ -93,8 +93,9 @@ struct NotifyBlock {
     expert_start = ints_view(counts_at + layout.expert_start, {num_local});
     psum_per_expert = ints_view(counts_at + layout.psum_per_expert, {num_local});
     int64_t offset = counts_at + layout.total;
-    if (call.hybrid()) hybrid_routing = ints_view(offset, {hybrid_ints(call, num_tokens)});
-    offset += hybrid_ints(call, num_tokens);
+    const int64_t hybrid_ints = ht::hybrid_routing_ints(call, num_tokens);
+    if (call.hybrid()) hybrid_routing = ints_view(offset, {hybrid_ints});
+    offset += hybrid_ints;
     if (call.zero_copy_recv) send_base = ints_view(offset, {num_ranks});
     offset += call.zero_copy_recv ? num_ranks : 0;
     scratch = ints_view(offset, {ht::notify_scratch_ints(call, num_tokens)});
@@ -119,10 +120,6 @@ struct NotifyBlock {
     // Every view starts at a multiple of its element size: routing (int64) is at int 0.
     impl->set_storage_offset((block.storage_offset() + first) * int64_t{sizeof(int32_t)} / c10::elementSize(dtype));
     return at::Tensor::wrap_tensor_impl(std::move(impl));
-  }
-
-  static int64_t hybrid_ints(const HtCall& call, int64_t num_tokens) {
-    return call.hybrid() ? ht::hybrid_routing(nullptr, call, num_tokens).total_ints : 0;
   }
 };
 
@@ -384,6 +381,8 @@ class HtHostPath {
   // kernels recorded an error: high_throughput.py then raises it, after joining the streams.
   py::object finish_dispatch(Runtime& runtime, const HtCall& call, py::handle handle, bool do_expand,
                              int expert_alignment, bool has_weights, bool cpu_sync, std::uintptr_t compute_stream) {
+    int64_t num_recv_tokens = 0;
+    int64_t num_expanded_tokens = 0;
     if (cpu_sync) {
       int32_t ready = 0;
       {
@@ -393,15 +392,19 @@ class HtHostPath {
       if (ready < 0 || reported_error(runtime.error_record())) return py::int_(ready);
       const int num_local = call.num_local_experts();
       const std::vector<int32_t> values = runtime.read_mapped_counters(0, ht::kMappedAlignedExpertCounts + num_local);
-      handle.attr("num_recv_tokens") = values[ht::kMappedNumRecvTokens];
-      handle.attr("num_expanded_tokens") = values[ht::kMappedNumExpandedTokens];
+      num_recv_tokens = values[ht::kMappedNumRecvTokens];
+      num_expanded_tokens = values[ht::kMappedNumExpandedTokens];
+      handle.attr("num_recv_tokens") = num_recv_tokens;
+      handle.attr("num_expanded_tokens") = num_expanded_tokens;
       py::list per_expert(num_local);
       for (int l = 0; l < num_local; ++l) per_expert[l] = values[ht::kMappedAlignedExpertCounts + l];
       handle.attr("num_recv_tokens_per_expert_list") = per_expert;
+    } else {
+      num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
+      num_expanded_tokens = handle.attr("num_expanded_tokens").cast<int64_t>();
     }
     profile_.begin(HostPathProfile::kFinishDispatch);
-    const int64_t num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
-    const int64_t num_rows = do_expand ? handle.attr("num_expanded_tokens").cast<int64_t>() : num_recv_tokens;
+    const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
     const at::Tensor counts = tensor_field(handle, "counts");
     const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
     std::optional<at::Tensor> expanded_rows;
