@@ -242,11 +242,30 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVe
 // that order and rounded once, kUnroll vectors per lane at a time (every combine sum: the reduce,
 // the zero-copy pull, the hybrid forwarder's node partial). A null bias is skipped; the biases and
 // `out` point at the token's row; terms as in accumulate_rows.
-template <int kUnroll, typename RowOf, typename Load>
+//
+// kPrefetchChunks > 0: lane j < num_terms keeps term j's next kPrefetchChunks chunks (32 * kUnroll
+// vectors each) on their way into L2 by bulk prefetches, so that a warp's loads find them there:
+// more bytes in flight than its registers hold. The terms must be complete before the call (the
+// rows of an earlier kernel or of peers past a barrier).
+template <int kUnroll, int kPrefetchChunks = 0, typename RowOf, typename Load>
 __device__ __forceinline__ void sum_row_to_bf16(int4* out, const int4* bias0, const int4* bias1, int num_terms,
                                                 int64_t num_vectors, const RowOf& row_of, const Load& load) {
   const int lane = lane_id();
-  for (int64_t base = 0; base < num_vectors; base += 32 * kUnroll) {
+  constexpr int64_t kChunk = 32 * kUnroll;
+  const int4* my_term = nullptr;
+  if constexpr (kPrefetchChunks > 0) my_term = row_of(lane);  // every lane calls: row_of may shuffle
+  const auto prefetch = [&](int64_t chunk_base) {
+    if (lane < num_terms && chunk_base < num_vectors) {
+      const int64_t count = num_vectors - chunk_base < kChunk ? num_vectors - chunk_base : kChunk;
+      ptx::prefetch_l2_bulk(my_term + chunk_base, static_cast<uint32_t>(count * kVectorBytes));
+    }
+  };
+  if constexpr (kPrefetchChunks > 0) {
+#pragma unroll
+    for (int c = 1; c < kPrefetchChunks; ++c) prefetch(c * kChunk);
+  }
+  for (int64_t base = 0; base < num_vectors; base += kChunk) {
+    if constexpr (kPrefetchChunks > 0) prefetch(base + kPrefetchChunks * kChunk);
     float acc[kUnroll][kBf16PerVector];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

@@ -80,6 +80,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return value;
 }
 
+// Bulk prefetch of `bytes` (a multiple of 16, from a 16-byte aligned address) into L2 (sm_90); nothing
+// to wait for, no register holds the data.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+}
+
 // 16-byte vector loads/stores for token rows. The non-coherent load is only for data no kernel of
 // this launch writes.
 __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
