@@ -35,6 +35,9 @@ constexpr int kSumUnroll = 2;
 // registers): 2 x 1 KiB per row per warp, ~170 KiB per SM at 5.3 rows per token. Measured at 8 ranks
 // on one H200, T = 4096, both sides in one run: kernel 1,282 -> 1,083 us (the rows' loads then find
 // them in L2; the cp.async pipeline above, bound by the same 8 KiB per warp, could not do that).
+// Three chunks ahead: 1,180 us, four: 1,282 (the prefetched lines are evicted before their loads).
+// The same prefetch slowed the reduce, which reads its own window (815 -> 858 us): only loads from
+// peers' windows waited long enough to gain.
 constexpr int kPullPrefetchChunks = 2;
 
 __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const PullCombineArgs args) {
