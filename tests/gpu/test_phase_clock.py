@@ -6,8 +6,10 @@ early while its peers wait in a collective call."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,17 +59,25 @@ def _check_order(problems: list[str], what: str, phases: dict, order: tuple[str,
         problems.append(f"{what}: stamps out of order {dict(zip(order, times, strict=True))}")
 
 
-def _clocked_buffer(group, **options) -> deep_ep.ElasticBuffer:
-    """A buffer built with the phase clock (the caller pops the variable when done)."""
+@contextlib.contextmanager
+def _clocked_buffer(group, **options) -> Iterator[deep_ep.ElasticBuffer]:
+    """A buffer built with the phase clock; destroyed, and the variable dropped, on leaving."""
     os.environ[phase_clock.ENV] = "1"
-    return deep_ep.ElasticBuffer(
-        group,
-        num_max_tokens_per_rank=CASE.num_max_tokens,
-        hidden=HIDDEN,
-        num_topk=LL_TOPK,
-        explicitly_destroy=True,
-        **options,
-    )
+    try:
+        buffer = deep_ep.ElasticBuffer(
+            group,
+            num_max_tokens_per_rank=CASE.num_max_tokens,
+            hidden=HIDDEN,
+            num_topk=LL_TOPK,
+            explicitly_destroy=True,
+            **options,
+        )
+        try:
+            yield buffer
+        finally:
+            buffer.destroy()
+    finally:
+        os.environ.pop(phase_clock.ENV, None)
 
 
 def _run_clocked(problems: list[str], what: str, buffer, call, *kernels: str) -> tuple:
@@ -83,9 +93,8 @@ def _run_clocked(problems: list[str], what: str, buffer, call, *kernels: str) ->
 
 
 def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
-    buffer = _clocked_buffer(group, num_max_dispatch_tokens_per_rank=LL_TOKENS, num_experts=LL_EXPERTS)
     problems: list[str] = []
-    try:
+    with _clocked_buffer(group, num_max_dispatch_tokens_per_rank=LL_TOKENS, num_experts=LL_EXPERTS) as buffer:
         phase_clock.read(buffer)  # whatever construction left
         inputs = group_inputs(CASE, num_ranks)
         (recv_x, _, recv_weights, handle, _), uncached = _run_clocked(
@@ -143,16 +152,12 @@ def _stamps_every_phase(rank: int, num_ranks: int, group) -> list[str]:
         if bool((bits(combined) != bits(expected.combined)).any()):
             problems.append("LL combine with the phase clock differs from the reference")
         buffer._check_device_errors()
-    finally:
-        buffer.destroy()
-        os.environ.pop(phase_clock.ENV, None)
     return problems
 
 
 def _pull_combine_stamps(rank: int, num_ranks: int, group) -> list[str]:
-    buffer = _clocked_buffer(group, zero_copy_combine=True)
     problems: list[str] = []
-    try:
+    with _clocked_buffer(group, zero_copy_combine=True) as buffer:
         inputs = group_inputs(CASE, num_ranks)
         recv_x, _, recv_weights, handle, _ = dispatch_case(buffer, rank, CASE, inputs, zero_copy_recv=True)
         y = expert_output(recv_x, rank, True)
@@ -176,9 +181,6 @@ def _pull_combine_stamps(rank: int, num_ranks: int, group) -> list[str]:
         if bool((got[0].view(torch.int16) != want[0].view(torch.int16)).any()):
             problems.append("the zero-copy combine with the phase clock differs from the push combine")
         buffer._check_device_errors()
-    finally:
-        buffer.destroy()
-        os.environ.pop(phase_clock.ENV, None)
     return problems
 
 
