@@ -101,8 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--host-profile",
         action="store_true",
-        help=f"print a cProfile of 200 calls of each of {', '.join(HOST_PROFILED_OPERATIONS)} and the host "
-        "cost of their pieces (allocations, stream joins, a launch) without the profiler (rank 0)",
+        help=f"print a cProfile of 200 calls of each of {', '.join(HOST_PROFILED_OPERATIONS)}, the host "
+        "cost of their pieces (allocations, stream joins, a launch) without the profiler, and per operation "
+        "the C++ host path's step times and whole-call time (rank 0)",
     )
     parser.add_argument(
         "--idle-start",
@@ -234,19 +235,25 @@ def host_profile(operation, calls: int = 200, top: int = 30) -> str:
     return text.getvalue()
 
 
-def host_path_steps(buffer, operations, calls: int = 200) -> dict:
-    """The C++ host path's own step times (HtHostPath.start_profile / stop_profile): µs per call of
-    each step, per host-path entry point, over ``calls`` back-to-back calls of each operation; {}
-    when the buffer has no host path (EP_HT_HOST_PATH=0)."""
+def host_path_steps(buffer, operation, calls: int = 200, idle_start: bool = False) -> tuple[dict, float]:
+    """The C++ host path's own step times (HtHostPath.start_profile / stop_profile) over ``calls``
+    calls of one operation, back to back or (``idle_start``) each after a barrier the host waited
+    for: ({entry point: {step: µs per call}}, µs per whole call as the caller sees it; the difference
+    is the Python around the entry points). ({}, 0.0) when the buffer has no host path
+    (EP_HT_HOST_PATH=0)."""
     host_path = getattr(buffer, "_ht_host_path", None)
     if host_path is None:
-        return {}
+        return {}, 0.0
     host_path.start_profile()
-    for operation in operations:
-        for _ in range(calls):
-            operation()
+    total = 0.0
+    for _ in range(calls):
+        if idle_start:
+            buffer.barrier(with_cpu_sync=True)
+        begin = time.perf_counter()
+        operation()
+        total += time.perf_counter() - begin
     torch.cuda.synchronize()
-    return host_path.stop_profile()
+    return host_path.stop_profile(), total / calls * 1e6
 
 
 def host_primitive_costs(buffer, rows: int, hidden: int, num_topk: int, calls: int = 2000) -> dict[str, float]:
@@ -403,13 +410,17 @@ def bench_tokens(
             if rank == 0:
                 lines = "\n".join(f"  {cost:8.2f}  {name}" for name, cost in costs.items())
                 print(f"[bench_ht] host µs per call of the pieces, T={num_tokens}:\n{lines}")
-            steps = host_path_steps(buffer, [operations[name] for name in HOST_PROFILED_OPERATIONS])
-            if rank == 0 and steps:
-                lines = "\n".join(
-                    f"  {call}: " + ", ".join(f"{step} {us:.2f}" for step, us in by_step.items())
-                    for call, by_step in steps.items()
-                )
-                print(f"[bench_ht] C++ host path, µs per call of each step, T={num_tokens}:\n{lines}")
+            for name, operation in operations.items():
+                steps, whole_call = host_path_steps(buffer, operation, idle_start=config.get("idle_start", False))
+                if rank == 0 and steps:
+                    lines = "\n".join(
+                        f"  {call}: " + ", ".join(f"{step} {us:.2f}" for step, us in by_step.items())
+                        for call, by_step in steps.items()
+                    )
+                    print(
+                        f"[bench_ht] C++ host path, {name}, T={num_tokens}: whole call {whole_call:.2f} µs; "
+                        f"µs per call of each step:\n{lines}"
+                    )
 
     if config.get("baseline") and default_layout:
         group = buffer.group

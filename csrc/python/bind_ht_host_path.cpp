@@ -27,6 +27,7 @@
 #include "common/ht_call.hpp"
 #include "kernels/high_throughput.hpp"
 #include "python/ht_launchers.hpp"
+#include "python/uninitialized_tensor.hpp"
 #include "runtime/runtime.hpp"
 
 namespace py = pybind11;
@@ -109,17 +110,9 @@ struct NotifyBlock {
   }
 
  private:
-  // A contiguous view of the block from int `first` on, made without the dispatcher: narrow and
-  // view cost about 1 µs each on the host, and the uncached dispatch takes thirteen of them before
-  // its handle exists. The view shares the block's storage like any view; the block never
-  // requires grad, so no autograd view record is needed.
+  // The block's ints from `first` on as a contiguous tensor (routing, int64, is at int 0).
   at::Tensor ints_view(int64_t first, at::IntArrayRef sizes, at::ScalarType dtype = at::kInt) const {
-    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
-                                                     c10::scalarTypeToTypeMeta(dtype));
-    impl->set_sizes_contiguous(sizes);
-    // Every view starts at a multiple of its element size: routing (int64) is at int 0.
-    impl->set_storage_offset((block.storage_offset() + first) * int64_t{sizeof(int32_t)} / c10::elementSize(dtype));
-    return at::Tensor::wrap_tensor_impl(std::move(impl));
+    return tensor_in(block, first * int64_t{sizeof(int32_t)}, sizes, dtype);
   }
 };
 
@@ -296,10 +289,9 @@ class HtHostPath {
     const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
     profile_.stamp("checks and handle fields");
-    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
-    const at::Tensor combined_x = at::empty({num_tokens, hidden}, options.dtype(at::kBFloat16));
+    const at::Tensor combined_x = empty({num_tokens, hidden}, at::kBFloat16);
     std::optional<at::Tensor> combined_weights;
-    if (weights) combined_weights = at::empty({num_tokens, num_topk}, options.dtype(at::kFloat));
+    if (weights) combined_weights = empty({num_tokens, num_topk}, at::kFloat);
     profile_.stamp("allocations");
 
     ++num_calls_;
@@ -351,9 +343,7 @@ class HtHostPath {
     if (call == nullptr) return py::none();
 
     profile_.stamp("checks");
-    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
-    const NotifyBlock notify(at::empty({NotifyBlock::num_ints(*call, num_tokens)}, options.dtype(at::kInt)), *call,
-                             num_tokens);
+    const NotifyBlock notify(empty({NotifyBlock::num_ints(*call, num_tokens)}, at::kInt), *call, num_tokens);
     profile_.stamp("notify block");
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
@@ -381,6 +371,7 @@ class HtHostPath {
   // kernels recorded an error: high_throughput.py then raises it, after joining the streams.
   py::object finish_dispatch(Runtime& runtime, const HtCall& call, py::handle handle, bool do_expand,
                              int expert_alignment, bool has_weights, bool cpu_sync, std::uintptr_t compute_stream) {
+    profile_.begin(HostPathProfile::kFinishDispatch);
     int64_t num_recv_tokens = 0;
     int64_t num_expanded_tokens = 0;
     if (cpu_sync) {
@@ -389,6 +380,7 @@ class HtHostPath {
         py::gil_scoped_release release;
         ready = runtime.wait_mapped_counter(ht::kMappedReady);
       }
+      profile_.stamp("count wait");
       if (ready < 0 || reported_error(runtime.error_record())) return py::int_(ready);
       const int num_local = call.num_local_experts();
       const std::vector<int32_t> values = runtime.read_mapped_counters(0, ht::kMappedAlignedExpertCounts + num_local);
@@ -396,20 +388,29 @@ class HtHostPath {
       num_expanded_tokens = values[ht::kMappedNumExpandedTokens];
       handle.attr("num_recv_tokens") = num_recv_tokens;
       handle.attr("num_expanded_tokens") = num_expanded_tokens;
+      // One int per local expert (256 at one rank with E = 256), after the wait: filled through the
+      // C API, without pybind11's per-item accessor objects.
       py::list per_expert(num_local);
-      for (int l = 0; l < num_local; ++l) per_expert[l] = values[ht::kMappedAlignedExpertCounts + l];
+      for (int l = 0; l < num_local; ++l) {
+        PyObject* count = PyLong_FromLong(values[ht::kMappedAlignedExpertCounts + l]);
+        if (count == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(per_expert.ptr(), l, count);  // steals the new reference into the empty slot
+      }
       handle.attr("num_recv_tokens_per_expert_list") = per_expert;
     } else {
       num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
       num_expanded_tokens = handle.attr("num_expanded_tokens").cast<int64_t>();
     }
-    profile_.begin(HostPathProfile::kFinishDispatch);
+    profile_.stamp("sizes");
     const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
     const at::Tensor counts = tensor_field(handle, "counts");
-    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
-    std::optional<at::Tensor> expanded_rows;
-    if (do_expand) expanded_rows = at::empty({num_recv_tokens, int64_t{call.num_topk}}, options.dtype(at::kInt));
-    const at::Tensor src_info = at::empty({num_recv_tokens, int64_t{ht::kSrcInfoColumns}}, options.dtype(at::kInt));
+    // The handle's two per-row arrays, in one allocation.
+    using Shape = std::optional<PieceShape>;
+    const auto handle_rows = uninitialized_tensors<2>(
+        device_, {Shape{{num_recv_tokens, int64_t{ht::kSrcInfoColumns}, at::kInt}},
+                  do_expand ? Shape{{num_recv_tokens, int64_t{call.num_topk}, at::kInt}} : std::nullopt});
+    const at::Tensor& src_info = *handle_rows[0];
+    const std::optional<at::Tensor>& expanded_rows = handle_rows[1];
     const auto outputs = allocate_dispatch_outputs(call, num_rows, do_expand, has_weights);
     profile_.stamp("allocations");
     launch_ht_dispatch_epilogue(runtime, call, do_expand, expert_alignment, has_weights, address(counts), num_rows,
@@ -429,6 +430,12 @@ class HtHostPath {
 
  private:
   static cudaStream_t as_cuda_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+  // Outputs and the notify block on the caller's stream (current in torch), as the Python path
+  // allocates them: comm waits for that stream first, and the caller's stream waits for comm at the end.
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
+    return uninitialized_tensor(device_, sizes, dtype);
+  }
 
   // high_throughput.py's _check_tensor: this buffer's device, contiguous, 16-byte aligned.
   bool kernel_ready(const at::Tensor& tensor) const {
@@ -476,23 +483,25 @@ class HtHostPath {
     return data && kernel_ready(*data) && data->scalar_type() == at::kBFloat16 && has_rows(*data, 8);
   }
 
-  // A dispatch's outputs, on the caller's stream (current in torch) as the Python path allocates
-  // them: comm waits for that stream first, and the caller's stream waits for comm at the end.
+  // A dispatch's outputs. recv_x has an allocation of its own: it is most of the bytes, and a
+  // caller may free it long before the rest. The scales, top-k ids and weights share one (each
+  // allocation costs ~1.8 µs of host time that the uncached dispatch's GPU waits for).
   struct DispatchOutputs {
     at::Tensor x;
     std::optional<at::Tensor> scales, topk_idx, weights;
   };
   DispatchOutputs allocate_dispatch_outputs(const HtCall& call, int64_t num_rows, bool do_expand,
                                             bool has_weights) const {
-    const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, device_);
+    using Shape = std::optional<PieceShape>;
     DispatchOutputs outputs;
-    outputs.x = at::empty({num_rows, call.hidden}, options.dtype(call.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
-    if (call.use_fp8) outputs.scales = at::empty({num_rows, call.hidden / kFp8GroupSize}, options.dtype(at::kFloat));
-    if (!do_expand) outputs.topk_idx = at::empty({num_rows, call.num_topk}, options.dtype(at::kLong));
-    if (has_weights) {
-      outputs.weights = do_expand ? at::empty({num_rows}, options.dtype(at::kFloat))
-                                  : at::empty({num_rows, call.num_topk}, options.dtype(at::kFloat));
-    }
+    outputs.x = empty({num_rows, call.hidden}, call.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
+    const auto metadata = uninitialized_tensors<3>(
+        device_, {call.use_fp8 ? Shape{{num_rows, call.hidden / kFp8GroupSize, at::kFloat}} : std::nullopt,
+                  do_expand ? std::nullopt : Shape{{num_rows, call.num_topk, at::kLong}},
+                  has_weights ? Shape{{num_rows, do_expand ? 0 : call.num_topk, at::kFloat}} : std::nullopt});
+    outputs.scales = metadata[0];
+    outputs.topk_idx = metadata[1];
+    outputs.weights = metadata[2];
     return outputs;
   }
 

@@ -1,10 +1,11 @@
 """The C++ host path of HT dispatch (uncached and cached) and combine
 (csrc/python/bind_ht_host_path.cpp): taken for the everyday arguments, bitwise the same results and
 handle as the Python path, and left to the Python path (nothing launched twice) for an argument it
-does not take."""
+does not take; its outputs are torch's caching allocator's memory, as torch.empty's are."""
 
 from __future__ import annotations
 
+import torch
 from ht_checks import (
     Case,
     assert_bitwise_equal,
@@ -110,3 +111,60 @@ def _host_path_equals_python_path(rank, num_ranks, group):
 
 def test_host_path_equals_python_path(num_ranks):
     launch(_host_path_equals_python_path, num_ranks)
+
+
+def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
+    case = Case("bf16 H2048 K6 E64", 2048, 6, 64, 384, False, seed=43)
+    buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
+    host_path = buffer._ht_host_path
+    try:
+        inputs = group_inputs(case, num_ranks)
+        buffer.get_theoretical_num_sms(case.experts(num_ranks), case.topk(num_ranks))
+        warm = dispatch_case(buffer, rank, case, inputs)  # the allocator's pool warmed up
+        buffer.combine(expert_output(warm[0], rank, True), warm[3], topk_weights=warm[2])
+        del warm
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+
+        # The outputs and the handle's arrays are the caching allocator's blocks, counted while they
+        # live and returned when the last reference goes (the host path builds them without at::empty).
+        calls = host_path.num_calls
+        recv_x, recv_topk_idx, recv_topk_weights, handle, _ = dispatch_case(buffer, rank, case, inputs)
+        combined_x, combined_weights, _ = buffer.combine(
+            expert_output(recv_x, rank, True), handle, topk_weights=recv_topk_weights
+        )
+        assert host_path.num_calls == calls + 2, "dispatch and combine must take the host path"
+        torch.cuda.synchronize()
+        outputs = (recv_x, recv_topk_idx, recv_topk_weights, handle.recv_src_info, combined_x, combined_weights)
+        # (The small outputs share one allocation, the handle's arrays another: count each once.)
+        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in outputs}
+        held = sum(storages.values())
+        assert torch.cuda.memory_allocated() >= before + held, "host-path outputs not counted by torch's allocator"
+        assert all(tensor.device == recv_x.device and tensor.is_contiguous() for tensor in outputs)
+        valid_rows = handle.num_recv_tokens
+        del recv_x, recv_topk_idx, recv_topk_weights, handle, combined_x, combined_weights, outputs
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before, "host-path outputs not returned to torch's allocator"
+
+        # torch's deterministic mode fills new memory (NaN for floats): the host path allocates
+        # as torch.empty does there, so the rows a no-CPU-sync dispatch leaves unwritten are NaN.
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        try:
+            calls = host_path.num_calls
+            unsynced = dispatch_case(buffer, rank, case, inputs, do_cpu_sync=False)
+            assert host_path.num_calls == calls + 1, "the no-CPU-sync dispatch must take the host path"
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+        recv_x = unsynced[0]
+        assert valid_rows < recv_x.shape[0], f"the case must leave rows unwritten ({valid_rows} of {recv_x.shape[0]})"
+        assert bool(recv_x[valid_rows:].isnan().all()), "rows past the received ones must be torch's NaN fill"
+        buffer._check_device_errors()
+    finally:
+        buffer.destroy()
+
+
+def test_host_path_outputs_are_torch_allocations(num_ranks):
+    launch(_host_path_outputs_are_torch_allocations, num_ranks)
