@@ -12,8 +12,9 @@
 #        separated by spaces, TESTS comma-separated paths or test ids (file.py::test_name), SECONDS
 #        optional, run in the order given, e.g.
 #        "4:tests/gpu/test_low_latency.py,tests/gpu/test_faults.py:240 8:tests/gpu/test_moe_layer.py:150";
-#        put a suite that may hang last), EP_GPU_CHECK_BUDGET (seconds: a step that would start after
-#        this much time since the start is skipped and reported, so that the logs still come back),
+#        put a suite that may hang last), EP_GPU_CHECK_BUDGET (seconds since the start by which the
+#        run ends: each step's limit is cut to the time left and a step with less than 30 s left is
+#        skipped and reported, so that the summary and the logs still come back),
 #        EP_GPU_CHECK_COMMANDS (further commands run last, under MPS, separated by ";;", each under the
 #        per-run timeout and the budget, output in $OUT/command_N.log, e.g.
 #        "python3 benchmarks/bench_ll.py --num-ranks 8 --num-ranks-per-node 4 --out $OUT/vn").
@@ -66,10 +67,14 @@ trap 'bash scripts/mps.sh stop >/dev/null 2>&1' EXIT
 status=0
 skipped=0
 BUDGET=${EP_GPU_CHECK_BUDGET:-0}
+source scripts/step_limit.sh
+# " (cut to N s by the budget)" when step_limit shortened a step's own limit.
+cut_note() { if [[ $1 -lt $2 ]]; then echo " (cut to $1 s by the budget)"; fi; }
 # One pytest run: rank count, test paths (space-separated), timeout, log name.
 run_tests() {
-  local n=$1 tests=$2 limit=$3 log=$4 t0 rc line
-  if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+  local n=$1 tests=$2 own_limit=$3 log=$4 t0 rc line limit
+  limit=$(step_limit "$own_limit")
+  if [[ $limit -eq 0 ]]; then
     summary+=("tests ${n} ranks ($tests): skipped, the $BUDGET s budget is spent")
     skipped=$(( skipped + 1 ))
     return
@@ -81,7 +86,7 @@ run_tests() {
   rc=$?
   [[ $rc -ne 0 ]] && status=1
   line=$(grep -E "(passed|failed|error|skipped)" "$OUT/$log" | tail -1)
-  summary+=("tests ${n} ranks ($tests): rc=$rc $(( $(date +%s) - t0 )) s :: ${line}")
+  summary+=("tests ${n} ranks ($tests): rc=$rc $(( $(date +%s) - t0 )) s$(cut_note "$limit" "$own_limit") :: ${line}")
   if [[ $rc -ne 0 ]]; then
     grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/$log" | head -15
   fi
@@ -110,7 +115,8 @@ fi
 if [[ $BENCH == 1 ]]; then
   for bench in bench_ht bench_ll; do
     [[ -f benchmarks/$bench.py ]] || continue
-    if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+    limit=$(step_limit "$PER_RUN_TIMEOUT")
+    if [[ $limit -eq 0 ]]; then
       summary+=("$bench: skipped, the $BUDGET s budget is spent")
       skipped=$(( skipped + 1 ))
       continue
@@ -119,11 +125,11 @@ if [[ $BENCH == 1 ]]; then
     extra=$BENCH_ARGS
     [[ $bench == bench_ll ]] && extra=$LL_ARGS
     # shellcheck disable=SC2086 # the extra arguments are meant to split
-    timeout "$PER_RUN_TIMEOUT" $PY benchmarks/$bench.py --num-ranks "$BENCH_RANKS" --out "$OUT" $extra \
+    timeout "$limit" $PY benchmarks/$bench.py --num-ranks "$BENCH_RANKS" --out "$OUT" $extra \
       > "$OUT/${bench}.log" 2>&1
     rc=$?
     [[ $rc -ne 0 ]] && status=1
-    summary+=("$bench (${BENCH_RANKS} ranks): rc=$rc $(( $(date +%s) - t0 )) s")
+    summary+=("$bench (${BENCH_RANKS} ranks): rc=$rc $(( $(date +%s) - t0 )) s$(cut_note "$limit" "$PER_RUN_TIMEOUT")")
     tail -25 "$OUT/${bench}.log"
   done
 fi
@@ -134,16 +140,17 @@ if [[ -n ${EP_GPU_CHECK_COMMANDS:-} ]]; then
   while IFS= read -r command; do
     [[ -n ${command// /} ]] || continue
     index=$(( index + 1 ))
-    if [[ $BUDGET -gt 0 && $(( $(date +%s) - start )) -ge $BUDGET ]]; then
+    limit=$(step_limit "$PER_RUN_TIMEOUT")
+    if [[ $limit -eq 0 ]]; then
       summary+=("command $index: skipped, the $BUDGET s budget is spent")
       skipped=$(( skipped + 1 ))
       continue
     fi
     t0=$(date +%s)
-    timeout "$PER_RUN_TIMEOUT" bash -c "$command" > "$OUT/command_${index}.log" 2>&1
+    timeout "$limit" bash -c "$command" > "$OUT/command_${index}.log" 2>&1
     rc=$?
     [[ $rc -ne 0 ]] && status=1
-    summary+=("command $index ($command): rc=$rc $(( $(date +%s) - t0 )) s (command_${index}.log)")
+    summary+=("command $index ($command): rc=$rc $(( $(date +%s) - t0 )) s$(cut_note "$limit" "$PER_RUN_TIMEOUT") (command_${index}.log)")
     tail -12 "$OUT/command_${index}.log"
   done <<< "$commands"
 fi

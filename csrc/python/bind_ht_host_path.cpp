@@ -404,13 +404,9 @@ class HtHostPath {
     profile_.stamp("sizes");
     const int64_t num_rows = do_expand ? num_expanded_tokens : num_recv_tokens;
     const at::Tensor counts = tensor_field(handle, "counts");
-    // The handle's two per-row arrays, in one allocation.
-    using Shape = std::optional<PieceShape>;
-    const auto handle_rows = uninitialized_tensors<2>(
-        device_, {Shape{{num_recv_tokens, int64_t{ht::kSrcInfoColumns}, at::kInt}},
-                  do_expand ? Shape{{num_recv_tokens, int64_t{call.num_topk}, at::kInt}} : std::nullopt});
-    const at::Tensor& src_info = *handle_rows[0];
-    const std::optional<at::Tensor>& expanded_rows = handle_rows[1];
+    std::optional<at::Tensor> expanded_rows;
+    if (do_expand) expanded_rows = empty({num_recv_tokens, int64_t{call.num_topk}}, at::kInt);
+    const at::Tensor src_info = empty({num_recv_tokens, int64_t{ht::kSrcInfoColumns}}, at::kInt);
     const auto outputs = allocate_dispatch_outputs(call, num_rows, do_expand, has_weights);
     profile_.stamp("allocations");
     launch_ht_dispatch_epilogue(runtime, call, do_expand, expert_alignment, has_weights, address(counts), num_rows,
@@ -483,25 +479,22 @@ class HtHostPath {
     return data && kernel_ready(*data) && data->scalar_type() == at::kBFloat16 && has_rows(*data, 8);
   }
 
-  // A dispatch's outputs. recv_x has an allocation of its own: it is most of the bytes, and a
-  // caller may free it long before the rest. The scales, top-k ids and weights share one (each
-  // allocation costs ~1.8 µs of host time that the uncached dispatch's GPU waits for).
+  // A dispatch's outputs, each in an allocation of its own like torch.empty's: outputs must not
+  // share storage (torch.library custom ops, deep_ep.ops among them, refuse returns that alias
+  // each other, and a caller may free recv_x long before the rest).
   struct DispatchOutputs {
     at::Tensor x;
     std::optional<at::Tensor> scales, topk_idx, weights;
   };
   DispatchOutputs allocate_dispatch_outputs(const HtCall& call, int64_t num_rows, bool do_expand,
                                             bool has_weights) const {
-    using Shape = std::optional<PieceShape>;
     DispatchOutputs outputs;
     outputs.x = empty({num_rows, call.hidden}, call.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
-    const auto metadata = uninitialized_tensors<3>(
-        device_, {call.use_fp8 ? Shape{{num_rows, call.hidden / kFp8GroupSize, at::kFloat}} : std::nullopt,
-                  do_expand ? std::nullopt : Shape{{num_rows, call.num_topk, at::kLong}},
-                  has_weights ? Shape{{num_rows, do_expand ? 0 : call.num_topk, at::kFloat}} : std::nullopt});
-    outputs.scales = metadata[0];
-    outputs.topk_idx = metadata[1];
-    outputs.weights = metadata[2];
+    if (call.use_fp8) outputs.scales = empty({num_rows, call.hidden / kFp8GroupSize}, at::kFloat);
+    if (!do_expand) outputs.topk_idx = empty({num_rows, call.num_topk}, at::kLong);
+    if (has_weights) {
+      outputs.weights = do_expand ? empty({num_rows}, at::kFloat) : empty({num_rows, call.num_topk}, at::kFloat);
+    }
     return outputs;
   }
 
