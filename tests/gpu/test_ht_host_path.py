@@ -137,9 +137,11 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         torch.cuda.synchronize()
         outputs = (recv_x, recv_topk_idx, recv_topk_weights, handle.recv_src_info, combined_x, combined_weights)
         # Each output has storage of its own, as torch.empty's: torch.library custom ops (deep_ep.ops)
-        # refuse returns that share storage.
-        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in outputs}
-        assert len(storages) == len(outputs), "host-path outputs share storage"
+        # refuse returns that share storage. (Empty outputs, e.g. the combine of a rank without
+        # tokens, have no memory to share.)
+        allocated = [tensor.untyped_storage() for tensor in outputs if tensor.untyped_storage().nbytes() > 0]
+        storages = {storage.data_ptr(): storage.nbytes() for storage in allocated}
+        assert len(storages) == len(allocated), "host-path outputs share storage"
         held = sum(storages.values())
         assert torch.cuda.memory_allocated() >= before + held, "host-path outputs not counted by torch's allocator"
         assert all(tensor.device == recv_x.device and tensor.is_contiguous() for tensor in outputs)
