@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -21,12 +22,14 @@
 namespace deep_ep {
 
 // Where at::empty does more than allocate: another current device (at::empty switches to the
-// requested one) and torch's deterministic mode with fill_uninitialized_memory (at::empty fills the
-// new memory with NaN or the integer maximum, by dtype). There the host path calls at::empty.
+// requested one), torch's deterministic mode with fill_uninitialized_memory (at::empty fills the
+// new memory with NaN or the integer maximum, by dtype), and an active Python dispatch mode (a
+// memory tracker or debug mode sees at::empty go through it). There the host path calls at::empty.
 inline bool allocates_like_at_empty(int device) {
   const at::Context& context = at::globalContext();
   return c10::cuda::current_device() == device &&
-         !(context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory());
+         !(context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory()) &&
+         !c10::impl::TorchDispatchModeTLS::any_modes_set();
 }
 
 // An uninitialised contiguous tensor of `sizes` and `dtype` on CUDA device `device`.

@@ -1,7 +1,8 @@
 """The C++ host path of HT dispatch (uncached and cached) and combine
 (csrc/python/bind_ht_host_path.cpp): taken for the everyday arguments, bitwise the same results and
 handle as the Python path, and left to the Python path (nothing launched twice) for an argument it
-does not take; its outputs are torch's caching allocator's memory, as torch.empty's are."""
+does not take; its outputs are torch's caching allocator's memory, as torch.empty's are, and go
+through at::empty where that does more than allocate."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ht_checks import (
     group_inputs,
     make_buffer,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deep_ep.testing import launch
 
@@ -113,6 +115,18 @@ def test_host_path_equals_python_path(num_ranks):
     launch(_host_path_equals_python_path, num_ranks)
 
 
+class _RecordedOps(TorchDispatchMode):
+    """A Python dispatch mode that records the name of every op it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
     case = Case("bf16 H2048 K6 E64", 2048, 6, 64, 384, False, seed=43)
     buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
@@ -165,6 +179,16 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         recv_x = unsynced[0]
         assert valid_rows < recv_x.shape[0], f"the case must leave rows unwritten ({valid_rows} of {recv_x.shape[0]})"
         assert bool(recv_x[valid_rows:].isnan().all()), "rows past the received ones must be torch's NaN fill"
+
+        # Under a Python dispatch mode (memory trackers, debug modes) the host path allocates through
+        # at::empty, so the mode sees every allocation, as it would torch.empty's: the notify block,
+        # the source info and the three outputs of this bf16 dispatch with weights.
+        with _RecordedOps() as recorded:
+            calls = host_path.num_calls
+            dispatch_case(buffer, rank, case, inputs)
+            assert host_path.num_calls == calls + 1, "the dispatch under a dispatch mode must take the host path"
+        empties = [op for op in recorded.ops if op.startswith("aten.empty")]
+        assert len(empties) >= 5, f"a dispatch mode must see the host path's allocations, saw {recorded.ops}"
         buffer._check_device_errors()
     finally:
         buffer.destroy()
