@@ -6,8 +6,9 @@ The usual pair comes from ``scripts/ab_compare.sh`` (the same machine, built and
 Rows are matched by their key (HT: T, operation, requested SMs, ranks per node; LL: E, T,
 operation); a row present on one side only is listed with "-" on the other. Per row: the
 operation's time (HT: the slowest rank's median; LL: graph replay), the after/before ratio, the
-floor fraction, and per kernel its time as "before → after" (HT: max over ranks, and the min over
-ranks in brackets, which for a kernel that waits for its peers is close to its own cost).
+floor fraction, HT's host µs of the call as "before → after" (median, max over ranks), and per
+kernel its time as "before → after" (HT: max over ranks, and the min over ranks in brackets, which
+for a kernel that waits for its peers is close to its own cost).
 
 When the results carry the phase clock (``--phases``), a second table follows: per row and clocked
 kernel (LL: per timing context, graph or chain), each phase's stamp as "before → after" (µs after
@@ -96,18 +97,23 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     """The Markdown table comparing two summaries of the same benchmark."""
     kind, pairs = _matched_rows(before, after)
     time_header = "graph µs" if kind == "ll" else "µs"
+    host_header = "" if kind == "ll" else " host µs |"
     lines = [
-        f"| row | {time_header} before | after | after / before | floor before | after | kernels (µs) |",
-        "|---|---|---|---|---|---|---|",
+        f"| row | {time_header} before | after | after / before | floor before | after |{host_header} kernels (µs) |",
+        "|---|---|---|---|---|---|---|" + ("" if kind == "ll" else "---|"),
     ]
     for key, old, new in pairs:
         old_time = None if old is None else _time(kind, old)
         new_time = None if new is None else _time(kind, new)
         ratio = "-" if old_time is None or new_time is None or old_time == 0 else f"{new_time / old_time:.3f}"
         floors = ["-" if row is None else f"{_floor(kind, row):.2f}" for row in (old, new)]
+        host = ""
+        if kind == "ht":
+            hosts = [None if row is None else row.get("host_us_max_over_ranks") for row in (old, new)]
+            host = f" {_number(hosts[0])} → {_number(hosts[1])} |"
         lines.append(
             f"| {_label(kind, key)} | {_number(old_time)} | {_number(new_time)} | {ratio} | {floors[0]} | "
-            f"{floors[1]} | {_kernels(old, new)} |"
+            f"{floors[1]} |{host} {_kernels(old, new)} |"
         )
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
 """benchmarks/bench_compare.py: rows matched by key across two summaries, ratios, kernels before → after,
-rows of one side only, a refusal to compare two different benchmarks, and the phase-stamp table."""
+rows of one side only, HT's host µs, a refusal to compare two different benchmarks, and the
+phase-stamp table."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _ht_row(operation: str, time_us: float, notify: float, notify_min: float) ->
         "num_ranks_per_node": None,
         "time_us": time_us,
         "floor_fraction": 0.25,
+        "host_us_max_over_ranks": time_us / 10,
         "kernels_us_max_over_ranks": {"notify_kernel": notify, "dispatch_kernel": 500.0},
         "kernels_us_min_over_ranks": {"notify_kernel": notify_min, "dispatch_kernel": 500.0},
     }
@@ -45,7 +47,7 @@ def test_ht_rows_are_matched_by_key_with_the_ratio_and_the_kernels_min_over_rank
     after = {"rows": [_ht_row("combine_bf16", 900.0, 0, 0), _ht_row("dispatch_fp8", 950.0, 77.2, 66.4)]}
     lines = bench_compare.compare(before, after).splitlines()
     dispatch = next(line for line in lines if "dispatch_fp8" in line)
-    assert "| T=4096 dispatch_fp8 | 1,000.0 | 950.0 | 0.950 | 0.25 | 0.25 |" in dispatch
+    assert "| T=4096 dispatch_fp8 | 1,000.0 | 950.0 | 0.950 | 0.25 | 0.25 | 100.0 → 95.0 |" in dispatch
     assert "notify 74.0 [71.3] → 77.2 [66.4]" in dispatch
     assert "dispatch 500.0 → 500.0" in dispatch  # max = min: no bracket
 
