@@ -81,7 +81,7 @@ run_tests() {
   fi
   t0=$(date +%s)
   # shellcheck disable=SC2086 # the test paths are meant to split
-  EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -q -rs -s -p no:cacheprovider --durations=12 \
+  EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -q -rs -s -p no:cacheprovider --durations=0 --durations-min=1 \
     > "$OUT/$log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
