@@ -15,6 +15,7 @@ import pickle
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -80,52 +81,81 @@ def _stack_file(store_dir: str, rank: int) -> str:
     return os.path.join(store_dir, f"stacks_rank{rank}.txt")
 
 
+def _setup_rank(rank: int, num_ranks: int, results: Any) -> tuple[str, Any] | None:
+    """Threads, device and process-group backend of a rank process; None (reported) when CUDA is
+    not ready for a transient reason (DEVICE_NOT_READY_MARKERS)."""
+    import torch
+
+    from deep_ep.testing.warm_up import warm_up_cuda_libraries
+
+    # Every rank is a process with its own intra-op thread pool: without a share of the cores
+    # each, N ranks run N x cores threads and CPU-side work (reference model, input generation)
+    # slows down by an order of magnitude.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device_id = None
+    if num_gpus > 0:
+        try:
+            torch.cuda.set_device(rank % num_gpus)
+        except Exception as exc:
+            if any(marker in str(exc) for marker in DEVICE_NOT_READY_MARKERS):
+                results.put((rank, "device-not-ready", str(exc)))
+                return None
+            raise
+        device_id = torch.device("cuda", rank % num_gpus)
+    if 0 < num_gpus < num_ranks:
+        warm_up_cuda_libraries(device_id)  # before any peer can spin on this rank (warm_up.py)
+    return ("nccl" if 0 < num_ranks <= num_gpus else "gloo"), device_id
+
+
+def _run_rank(
+    rank: int,
+    num_ranks: int,
+    init_method: str,
+    setup: tuple[str, Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    """``fn`` in a torch process group of its own; its value (or its failure) goes to ``results``."""
+    import torch.distributed as dist
+
+    backend, device_id = setup
+    kwargs: dict[str, Any] = {"device_id": device_id} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
+    try:
+        value = fn(rank, num_ranks, dist.group.WORLD, *args)
+    finally:
+        dist.destroy_process_group()
+    results.put((rank, "ok", pickle.dumps(value)))
+
+
+def _report_failure(rank: int, results: Any) -> None:
+    """The exception being handled, pickled when it can be, with its traceback."""
+    exc = sys.exc_info()[1]
+    try:
+        payload = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+        payload = None
+    results.put((rank, "error", (traceback.format_exc(), payload)))
+
+
+def _register_stack_dump(store_dir: str, rank: int) -> None:
+    stack_file = open(_stack_file(store_dir, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+
+
 def _worker(
     rank: int, num_ranks: int, init_method: str, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
 ) -> None:
     os.environ.update(_SAFE_ENV)
-    store_dir = os.path.dirname(init_method.removeprefix("file://"))
-    stack_file = open(_stack_file(store_dir, rank), "w")  # noqa: SIM115 - open until the process ends
-    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
-    import torch
-    import torch.distributed as dist
-
-    from deep_ep.testing.warm_up import warm_up_cuda_libraries
-
+    _register_stack_dump(os.path.dirname(init_method.removeprefix("file://")), rank)
     try:
-        # Every rank is a process with its own intra-op thread pool: without a share of the cores
-        # each, N ranks run N x cores threads and CPU-side work (reference model, input generation)
-        # slows down by an order of magnitude.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        device_id = None
-        if num_gpus > 0:
-            try:
-                torch.cuda.set_device(rank % num_gpus)
-            except Exception as exc:
-                if any(marker in str(exc) for marker in DEVICE_NOT_READY_MARKERS):
-                    results.put((rank, "device-not-ready", str(exc)))
-                    return
-                raise
-            device_id = torch.device("cuda", rank % num_gpus)
-        backend = "nccl" if 0 < num_ranks <= num_gpus else "gloo"
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = device_id
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
-        if 0 < num_gpus < num_ranks:
-            warm_up_cuda_libraries(device_id)  # before any peer can spin on this rank (warm_up.py)
-        try:
-            value = fn(rank, num_ranks, dist.group.WORLD, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-        try:
-            payload = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
-            payload = None
-        results.put((rank, "error", (traceback.format_exc(), payload)))
+        setup = _setup_rank(rank, num_ranks, results)
+        if setup is not None:
+            _run_rank(rank, num_ranks, init_method, setup, fn, args, results)
+    except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+        _report_failure(rank, results)
 
 
 def launch(
@@ -135,7 +165,10 @@ def launch(
     timeout_secs: float = 900.0,
     may_exit: tuple[int, ...] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, num_ranks, group, *args)`` in ``num_ranks`` fresh processes; return their results by rank.
+    """Run ``fn(rank, num_ranks, group, *args)`` in ``num_ranks`` processes; return their results by rank.
+
+    Fresh processes, or with EP_TEST_POOL=1 the rank processes of the previous launch of the same
+    rank count (deep_ep/testing/rank_pool.py; launches with ``may_exit`` always start fresh ones).
 
     ``fn`` and ``args`` must be picklable (a module-level function). The first failing rank's exception is
     re-raised here as RankError (with the rank and its traceback) chained to the original exception.
@@ -144,8 +177,12 @@ def launch(
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    from deep_ep.testing import rank_pool
+
     for attempt in range(1, DEVICE_NOT_READY_ATTEMPTS + 1):
         try:
+            if rank_pool.pool_enabled() and not may_exit:
+                return rank_pool.run_pooled(fn, num_ranks, args, timeout_secs, _module_loading_for(num_ranks))
             return _launch_once(fn, num_ranks, args, timeout_secs, may_exit)
         except _DeviceNotReady as error:
             if attempt == DEVICE_NOT_READY_ATTEMPTS:
@@ -217,15 +254,85 @@ def _dump_stacks(processes: list[Any], ranks: list[int], store_dir: str) -> str:
     return "".join(parts)
 
 
+def _collect(
+    processes: list[Any],
+    results: Any,
+    timeout_secs: float,
+    may_exit: tuple[int, ...],
+    store_dir: str,
+) -> list[Any]:
+    """Every rank's result of one run, by rank. Raises RankError (the first failure, with the
+    others that followed and the stacks of ranks that neither failed nor finished), RuntimeError
+    (a rank died without reporting), TimeoutError (with the stuck ranks' stacks) or
+    _DeviceNotReady; the caller then ends the processes."""
+    num_ranks = len(processes)
+    collected: dict[int, Any] = {}
+    failure: tuple[int, str, bytes | None] | None = None
+    deadline = time.monotonic() + timeout_secs
+    while len(collected) < num_ranks and failure is None:
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            for r in may_exit:
+                if r not in collected and processes[r].exitcode is not None:
+                    collected[r] = None
+            dead = [r for r, p in enumerate(processes) if r not in collected and p.exitcode not in (None, 0)]
+            if dead:
+                codes = {r: processes[r].exitcode for r in dead}
+                raise RuntimeError(f"ranks {dead} died without reporting (exit codes {codes})") from None
+            if time.monotonic() > deadline:
+                missing = [r for r in range(num_ranks) if r not in collected]
+                stacks = _dump_stacks(processes, missing, store_dir)
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_secs:g} s{stacks}") from None
+            continue
+        if status == "ok":
+            collected[rank] = pickle.loads(payload)
+        elif status == "device-not-ready":
+            raise _DeviceNotReady(f"rank {rank}: {payload}")
+        else:
+            failure = (rank, payload[0], payload[1])
+    if failure is None:
+        return [collected[rank] for rank in range(num_ranks)]
+    # The first failure is often a consequence of another rank's: give the others a few seconds to
+    # report theirs, and show them too.
+    others, finished = _drain_failures(results, num_ranks - len(collected) - 1, OTHER_FAILURES_GRACE_SECS)
+    rank, remote_traceback, pickled = failure
+    listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
+    # Ranks that neither failed nor finished are stuck (often what the failure waited for).
+    reported = {*collected, *finished, rank, *(other for other, _ in others)}
+    silent = [r for r in range(num_ranks) if r not in reported]
+    listing += _dump_stacks(processes, silent, store_dir)
+    original = None
+    if pickled is not None:
+        try:
+            original = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - fall back to the traceback text
+            original = None
+    raise RankError(rank, remote_traceback + listing) from original
+
+
+def _new_store() -> tuple[str, str]:
+    """A fresh directory and the file-store init method in it. A file store, not a TCP port: a port
+    picked here and bound later by rank 0 can be taken in between (NCCL bootstraps open ephemeral
+    ports), which failed launches with EADDRINUSE."""
+    store_dir = tempfile.mkdtemp(prefix="deep_ep_launch_")
+    return store_dir, "file://" + os.path.join(store_dir, "store")
+
+
+def _end(processes: list[Any]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=30)
+
+
 def _launch_once(
     fn: Callable[..., Any], num_ranks: int, args: tuple[Any, ...], timeout_secs: float, may_exit: tuple[int, ...]
 ) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    # A file store, not a TCP port: a port picked here and bound later by rank 0 can be taken in
-    # between (NCCL bootstraps open ephemeral ports), which failed launches with EADDRINUSE.
-    store_dir = tempfile.mkdtemp(prefix="deep_ep_launch_")
-    init_method = "file://" + os.path.join(store_dir, "store")
+    store_dir, init_method = _new_store()
     processes = [
         context.Process(target=_worker, args=(rank, num_ranks, init_method, fn, args, results), daemon=True)
         for rank in range(num_ranks)
@@ -233,58 +340,14 @@ def _launch_once(
     with _child_environment(_module_loading_for(num_ranks)):
         for process in processes:
             process.start()
-    collected: dict[int, Any] = {}
-    failure: tuple[int, str, bytes | None] | None = None
-    deadline = time.monotonic() + timeout_secs
+    finished = False
     try:
-        while len(collected) < num_ranks and failure is None:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                for r in may_exit:
-                    if r not in collected and processes[r].exitcode is not None:
-                        collected[r] = None
-                dead = [r for r, p in enumerate(processes) if r not in collected and p.exitcode not in (None, 0)]
-                if dead:
-                    codes = {r: processes[r].exitcode for r in dead}
-                    raise RuntimeError(f"ranks {dead} died without reporting (exit codes {codes})") from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(num_ranks) if r not in collected]
-                    stacks = _dump_stacks(processes, missing, store_dir)
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_secs:g} s{stacks}") from None
-                continue
-            if status == "ok":
-                collected[rank] = pickle.loads(payload)
-            elif status == "device-not-ready":
-                raise _DeviceNotReady(f"rank {rank}: {payload}")
-            else:
-                failure = (rank, payload[0], payload[1])
-        if failure is not None:
-            # The first failure is often a consequence of another rank's: give the others a few
-            # seconds to report theirs, and show them too.
-            others, finished = _drain_failures(results, num_ranks - len(collected) - 1, OTHER_FAILURES_GRACE_SECS)
-            rank, remote_traceback, pickled = failure
-            listing = "".join(f"\n--- rank {other} also failed ---\n{text}" for other, text in others)
-            # Ranks that neither failed nor finished are stuck (often what the failure waited for).
-            reported = {*collected, *finished, rank, *(other for other, _ in others)}
-            silent = [r for r in range(num_ranks) if r not in reported]
-            listing += _dump_stacks(processes, silent, store_dir)
-            failure = (rank, remote_traceback + listing, pickled)
+        values = _collect(processes, results, timeout_secs, may_exit, store_dir)
+        finished = True
     finally:
-        if failure is not None or len(collected) < num_ranks:
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
+        if not finished:
+            _end(processes)
         for process in processes:
             process.join(timeout=30)
         shutil.rmtree(store_dir, ignore_errors=True)
-    if failure is not None:
-        rank, remote_traceback, pickled = failure
-        original = None
-        if pickled is not None:
-            try:
-                original = pickle.loads(pickled)
-            except Exception:  # noqa: BLE001 - fall back to the traceback text
-                original = None
-        raise RankError(rank, remote_traceback) from original
-    return [collected[rank] for rank in range(num_ranks)]
+    return values
