@@ -20,6 +20,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -81,12 +82,17 @@ def _stack_file(store_dir: str, rank: int) -> str:
     return os.path.join(store_dir, f"stacks_rank{rank}.txt")
 
 
-def _setup_rank(rank: int, num_ranks: int, results: Any) -> tuple[str, Any] | None:
+@dataclass
+class _RankSetup:
+    backend: str
+    device_id: Any
+    needs_warm_up: bool  # ranks share a GPU and the libraries are not warmed up yet (warm_up.py)
+
+
+def _setup_rank(rank: int, num_ranks: int, results: Any) -> _RankSetup | None:
     """Threads, device and process-group backend of a rank process; None (reported) when CUDA is
     not ready for a transient reason (DEVICE_NOT_READY_MARKERS)."""
     import torch
-
-    from deep_ep.testing.warm_up import warm_up_cuda_libraries
 
     # Every rank is a process with its own intra-op thread pool: without a share of the cores
     # each, N ranks run N x cores threads and CPU-side work (reference model, input generation)
@@ -103,16 +109,15 @@ def _setup_rank(rank: int, num_ranks: int, results: Any) -> tuple[str, Any] | No
                 return None
             raise
         device_id = torch.device("cuda", rank % num_gpus)
-    if 0 < num_gpus < num_ranks:
-        warm_up_cuda_libraries(device_id)  # before any peer can spin on this rank (warm_up.py)
-    return ("nccl" if 0 < num_ranks <= num_gpus else "gloo"), device_id
+    backend = "nccl" if 0 < num_ranks <= num_gpus else "gloo"
+    return _RankSetup(backend, device_id, needs_warm_up=0 < num_gpus < num_ranks)
 
 
 def _run_rank(
     rank: int,
     num_ranks: int,
     init_method: str,
-    setup: tuple[str, Any],
+    setup: _RankSetup,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
@@ -120,10 +125,14 @@ def _run_rank(
     """``fn`` in a torch process group of its own; its value (or its failure) goes to ``results``."""
     import torch.distributed as dist
 
-    backend, device_id = setup
-    kwargs: dict[str, Any] = {"device_id": device_id} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
+    from deep_ep.testing.warm_up import warm_up_cuda_libraries
+
+    kwargs: dict[str, Any] = {"device_id": setup.device_id} if setup.backend == "nccl" else {}
+    dist.init_process_group(setup.backend, init_method=init_method, rank=rank, world_size=num_ranks, **kwargs)
     try:
+        if setup.needs_warm_up:
+            warm_up_cuda_libraries(setup.device_id)  # before any peer can spin on this rank (warm_up.py)
+            setup.needs_warm_up = False
         value = fn(rank, num_ranks, dist.group.WORLD, *args)
     finally:
         dist.destroy_process_group()
