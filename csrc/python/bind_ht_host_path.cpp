@@ -110,9 +110,17 @@ struct NotifyBlock {
   }
 
  private:
-  // The block's ints from `first` on as a contiguous tensor (routing, int64, is at int 0).
+  // A contiguous view of the block from int `first` on, made without the dispatcher: narrow and
+  // view cost about 1 µs each on the host, and the uncached dispatch takes thirteen of them before
+  // its handle exists. The view shares the block's storage like any view; the block never
+  // requires grad, so no autograd view record is needed.
   at::Tensor ints_view(int64_t first, at::IntArrayRef sizes, at::ScalarType dtype = at::kInt) const {
-    return tensor_in(block, first * int64_t{sizeof(int32_t)}, sizes, dtype);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                     c10::scalarTypeToTypeMeta(dtype));
+    impl->set_sizes_contiguous(sizes);
+    // Every view starts at a multiple of its element size: routing (int64) is at int 0.
+    impl->set_storage_offset((block.storage_offset() + first) * int64_t{sizeof(int32_t)} / c10::elementSize(dtype));
+    return at::Tensor::wrap_tensor_impl(std::move(impl));
   }
 };
 

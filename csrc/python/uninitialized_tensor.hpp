@@ -11,13 +11,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
-#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-
-#include <cstdint>
-#include <utility>
 
 namespace deep_ep {
 
@@ -41,19 +37,6 @@ inline at::Tensor uninitialized_tensor(int device, at::IntArrayRef sizes, at::Sc
   // (autograd keys added as for any CUDA tensor), contiguous sizes.
   return at::Tensor(at::detail::empty_generic(sizes, c10::cuda::CUDACachingAllocator::get(),
                                               c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
-}
-
-// A contiguous tensor of `sizes` and `dtype` on `block`'s storage from byte `byte_offset` (a multiple
-// of the dtype's size), made without the dispatcher: narrow and view cost about 1 µs each on the
-// host. It shares the storage like any view; the pieces of a block never overlap and the block never
-// requires grad, so no autograd view record is needed.
-inline at::Tensor tensor_in(const at::Tensor& block, int64_t byte_offset, at::IntArrayRef sizes, at::ScalarType dtype) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
-                                                   c10::scalarTypeToTypeMeta(dtype));
-  impl->set_sizes_contiguous(sizes);
-  impl->set_storage_offset((block.storage_offset() * block.element_size() + byte_offset) /
-                           static_cast<int64_t>(c10::elementSize(dtype)));
-  return at::Tensor::wrap_tensor_impl(std::move(impl));
 }
 
 }  // namespace deep_ep
