@@ -123,20 +123,15 @@ class RankPool:
         )
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_secs: float) -> list[Any]:
-        """Every rank's ``fn(rank, num_ranks, group, *args)``; on any failure the pool is closed."""
+        """Every rank's ``fn(rank, num_ranks, group, *args)`` (raises as launcher._collect does)."""
         store_dir, init_method = launcher._new_store()
         environment = dict(os.environ)
-        finished = False
         try:
             for queue in self.tasks:
                 queue.put((init_method, environment, fn, args))
-            values = launcher._collect(self.processes, self.results, timeout_secs, (), self.store_dir)
-            finished = True
-            return values
+            return launcher._collect(self.processes, self.results, timeout_secs, (), self.store_dir)
         finally:
             shutil.rmtree(store_dir, ignore_errors=True)
-            if not finished:
-                self.close()
 
     def close(self) -> None:
         """End the rank processes (asked first, then terminated) and remove their files."""
@@ -162,18 +157,16 @@ def run_pooled(
     fn: Callable[..., Any], num_ranks: int, args: tuple[Any, ...], timeout_secs: float, overrides: dict[str, str]
 ) -> list[Any]:
     """``fn`` on the pool of ``num_ranks`` ranks (started, or restarted for another rank count or
-    environment override, as needed; one pool at a time)."""
+    environment override, as needed; one pool at a time). Any failure ends the pool."""
     global _pool
     if _pool is not None and not _pool.usable(num_ranks, overrides):
         close_pool()
     if _pool is None:
         _pool = RankPool(num_ranks, overrides)
-    pool = _pool
     try:
-        return pool.run(fn, args, timeout_secs)
+        return _pool.run(fn, args, timeout_secs)
     except BaseException:
-        if _pool is pool:
-            _pool = None  # run() closed it
+        close_pool()
         raise
 
 
