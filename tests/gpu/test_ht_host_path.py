@@ -6,6 +6,8 @@ through at::empty where that does more than allocate."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from ht_checks import (
     Case,
@@ -127,6 +129,27 @@ class _RecordedOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _live_blocks() -> dict[int, dict]:
+    """The caching allocator's allocated blocks by address (with their recorded stacks, if any)."""
+    return {
+        block["address"]: block
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
+
+
+def _describe_blocks(blocks: dict[int, dict], known: dict[int, dict]) -> list[str]:
+    """The blocks not in ``known``: size and the innermost recorded frames."""
+    described = []
+    for address, block in blocks.items():
+        if address in known:
+            continue
+        frames = [f"{frame['filename']}:{frame['line']} {frame['name']}" for frame in block.get("frames", [])[:6]]
+        described.append(f"{block['size']} B (requested {block.get('requested_size')}) at {frames}")
+    return described
+
+
 def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
     case = Case("bf16 H2048 K6 E64", 2048, 6, 64, 384, False, seed=43)
     buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
@@ -138,6 +161,10 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         buffer.combine(expert_output(warm[0], rank, True), warm[3], topk_weights=warm[2])
         del warm
         torch.cuda.synchronize()
+        # Every allocation from here on is recorded with its Python stack, so a block that outlives
+        # its outputs can be named.
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python")
+        blocks_before = _live_blocks()
         before = torch.cuda.memory_allocated()
 
         # The outputs and the handle's arrays are the caching allocator's blocks, counted while they
@@ -162,7 +189,16 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         valid_rows = handle.num_recv_tokens
         del recv_x, recv_topk_idx, recv_topk_weights, handle, combined_x, combined_weights, outputs
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == before, "host-path outputs not returned to torch's allocator"
+        left = torch.cuda.memory_allocated() - before
+        if left != 0:
+            gc.collect()
+            after_gc = torch.cuda.memory_allocated() - before
+            new_blocks = _describe_blocks(_live_blocks(), blocks_before)
+            raise AssertionError(
+                f"host-path outputs not returned to torch's allocator: {left} bytes still allocated once they "
+                f"were dropped ({after_gc} after gc.collect()); the outputs held {held} bytes; blocks allocated "
+                f"since the first measure: {new_blocks}"
+            )
 
         # torch's deterministic mode fills new memory (NaN for floats): the host path allocates
         # as torch.empty does there, so the rows a no-CPU-sync dispatch leaves unwritten are NaN.
@@ -191,6 +227,7 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         assert len(empties) >= 5, f"a dispatch mode must see the host path's allocations, saw {recorded.ops}"
         buffer._check_device_errors()
     finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
         buffer.destroy()
 
 
