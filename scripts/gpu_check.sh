@@ -18,7 +18,9 @@
 #        EP_GPU_CHECK_COMMANDS (further commands run last, under MPS, separated by ";;", each under the
 #        per-run timeout and the budget, output in $OUT/command_N.log, e.g.
 #        "python3 benchmarks/bench_ll.py --num-ranks 8 --num-ranks-per-node 4 --out $OUT/vn").
-# EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build.
+# EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build, EP_TEST_POOL=1
+# to the tests (rank processes reused between launches, docs/testing.md). Each test's result is a
+# line of its own (-v), so a step killed by its limit still shows which tests had passed.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
 # The device tool brings back at most 8 files (at any depth): when $OUT holds more, everything but
 # the JSON results is packed into $OUT/logs.tar.gz (scripts/pack_out.sh).
@@ -81,7 +83,7 @@ run_tests() {
   fi
   t0=$(date +%s)
   # shellcheck disable=SC2086 # the test paths are meant to split
-  EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -q -rs -s -p no:cacheprovider --durations=0 --durations-min=1 \
+  EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -v -rs -s -p no:cacheprovider --durations=0 --durations-min=1 \
     > "$OUT/$log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1

@@ -180,10 +180,11 @@ def _host_path_outputs_are_torch_allocations(rank, num_ranks, group):
         # Each output has storage of its own, as torch.empty's: torch.library custom ops (deep_ep.ops)
         # refuse returns that share storage. (Empty outputs, e.g. the combine of a rank without
         # tokens, have no memory to share.)
-        allocated = [tensor.untyped_storage() for tensor in outputs if tensor.untyped_storage().nbytes() > 0]
-        storages = {storage.data_ptr(): storage.nbytes() for storage in allocated}
-        assert len(storages) == len(allocated), "host-path outputs share storage"
-        held = sum(storages.values())
+        # (Only addresses and sizes are kept: a storage object would keep its memory allocated.)
+        storages = [(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()) for tensor in outputs]
+        storages = [storage for storage in storages if storage[1] > 0]
+        assert len(dict(storages)) == len(storages), "host-path outputs share storage"
+        held = sum(nbytes for _, nbytes in storages)
         assert torch.cuda.memory_allocated() >= before + held, "host-path outputs not counted by torch's allocator"
         assert all(tensor.device == recv_x.device and tensor.is_contiguous() for tensor in outputs)
         valid_rows = handle.num_recv_tokens
