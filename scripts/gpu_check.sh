@@ -18,9 +18,10 @@
 #        EP_GPU_CHECK_COMMANDS (further commands run last, under MPS, separated by ";;", each under the
 #        per-run timeout and the budget, output in $OUT/command_N.log, e.g.
 #        "python3 benchmarks/bench_ll.py --num-ranks 8 --num-ranks-per-node 4 --out $OUT/vn").
-# EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build, EP_TEST_POOL=1
-# to the tests (rank processes reused between launches, docs/testing.md). Each test's result is a
-# line of its own (-v), so a step killed by its limit still shows which tests had passed.
+# EP_BACKEND (nccl / ipc) passes through to every buffer the tests and benchmarks build. The tests
+# reuse their rank processes between launches (EP_TEST_POOL=1, docs/testing.md: a 2-rank step of five
+# suites took 29 s instead of 74); EP_TEST_POOL=0 starts fresh ones for every launch. Each test's
+# result is a line of its own (-v), so a step killed by its limit still shows which tests had passed.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
 # The device tool brings back at most 8 files (at any depth): when $OUT holds more, everything but
 # the JSON results is packed into $OUT/logs.tar.gz (scripts/pack_out.sh).
@@ -30,6 +31,7 @@ export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export EP_RESULTS_DIR=$OUT
+export EP_TEST_POOL=${EP_TEST_POOL:-1}
 source scripts/mps_env.sh  # the ranks find the MPS daemon through it
 PY=${PYTHON:-python3}
 RANKS=${EP_GPU_CHECK_RANKS:-1,2,4,8}
@@ -72,15 +74,18 @@ BUDGET=${EP_GPU_CHECK_BUDGET:-0}
 source scripts/step_limit.sh
 # " (cut to N s by the budget)" when step_limit shortened a step's own limit.
 cut_note() { if [[ $1 -lt $2 ]]; then echo " (cut to $1 s by the budget)"; fi; }
+# The limit of a step that starts now (its own limit cut by the budget) in $limit; 1 when the budget
+# leaves too little, after recording the step (named $1) as skipped.
+budget_skips() {
+  limit=$(step_limit "$2")
+  [[ $limit -gt 0 ]] && return 1
+  summary+=("$1: skipped, the $BUDGET s budget is spent")
+  skipped=$(( skipped + 1 ))
+}
 # One pytest run: rank count, test paths (space-separated), timeout, log name.
 run_tests() {
   local n=$1 tests=$2 own_limit=$3 log=$4 t0 rc line limit
-  limit=$(step_limit "$own_limit")
-  if [[ $limit -eq 0 ]]; then
-    summary+=("tests ${n} ranks ($tests): skipped, the $BUDGET s budget is spent")
-    skipped=$(( skipped + 1 ))
-    return
-  fi
+  budget_skips "tests ${n} ranks ($tests)" "$own_limit" && return
   t0=$(date +%s)
   # shellcheck disable=SC2086 # the test paths are meant to split
   EP_TEST_RANKS=$n timeout "$limit" $PY -m pytest $tests -v -rs -s -p no:cacheprovider --durations=0 --durations-min=1 \
@@ -117,12 +122,7 @@ fi
 if [[ $BENCH == 1 ]]; then
   for bench in bench_ht bench_ll; do
     [[ -f benchmarks/$bench.py ]] || continue
-    limit=$(step_limit "$PER_RUN_TIMEOUT")
-    if [[ $limit -eq 0 ]]; then
-      summary+=("$bench: skipped, the $BUDGET s budget is spent")
-      skipped=$(( skipped + 1 ))
-      continue
-    fi
+    budget_skips "$bench" "$PER_RUN_TIMEOUT" && continue
     t0=$(date +%s)
     extra=$BENCH_ARGS
     [[ $bench == bench_ll ]] && extra=$LL_ARGS
@@ -142,12 +142,7 @@ if [[ -n ${EP_GPU_CHECK_COMMANDS:-} ]]; then
   while IFS= read -r command; do
     [[ -n ${command// /} ]] || continue
     index=$(( index + 1 ))
-    limit=$(step_limit "$PER_RUN_TIMEOUT")
-    if [[ $limit -eq 0 ]]; then
-      summary+=("command $index: skipped, the $BUDGET s budget is spent")
-      skipped=$(( skipped + 1 ))
-      continue
-    fi
+    budget_skips "command $index" "$PER_RUN_TIMEOUT" && continue
     t0=$(date +%s)
     timeout "$limit" bash -c "$command" > "$OUT/command_${index}.log" 2>&1
     rc=$?
