@@ -44,6 +44,8 @@ PER_RUN_TIMEOUT=${EP_GPU_CHECK_TIMEOUT:-900}
 summary=()
 
 start=$(date +%s)
+# Before the build writes anything: the fingerprint that matches this call's results to a commit.
+summary+=("tree: $(bash scripts/tree_hash.sh) (scripts/tree_hash.sh)")
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/nvidia-smi.txt" 2>&1
 if ! MAX_JOBS=$(nproc) $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
