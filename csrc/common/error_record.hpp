@@ -76,6 +76,17 @@ struct ErrorRecord {
   int64_t peer_progress;
 };
 
+// Anything recorded (a timeout, an invalid routing entry, a peer's failed input), or being written.
+inline bool any_error(const ErrorRecord& record) {
+  return record.status != 0 || record.invalid_status != 0 || record.peer_failed_status != 0;
+}
+
+// An error the kernels finished recording. A record still being written (-1) is not one yet: a
+// caller that must not wait for it goes on and finds it at its next check.
+inline bool reported_error(const ErrorRecord& record) {
+  return record.status > 0 || record.invalid_status > 0 || record.peer_failed_status > 0;
+}
+
 const char* operation_name(int32_t operation);
 const char* phase_name(int32_t phase);
 

@@ -49,13 +49,6 @@ py::object wrap(const std::optional<at::Tensor>& tensor) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(*tensor));
 }
 
-// An error the kernels finished recording, as high_throughput.py's _check_device_errors raises it.
-// A record still being written (-1) is not one yet: like the Python path, the call goes on and the
-// error is raised at the next synchronisation point.
-bool reported_error(const ErrorRecord& record) {
-  return record.status > 0 || record.invalid_status > 0 || record.peer_failed_status > 0;
-}
-
 // The notify's one int32 allocation, split into the handle's arrays: [routing as 2 x int32 per
 // entry] [expert_slot] [dst_slot] [counts fields, counts_layout order] [hybrid routing] [zero-copy
 // send base] [notify scratch]. One allocation: each costs host time on the uncached path, which the
@@ -389,6 +382,8 @@ class HtHostPath {
         ready = runtime.wait_mapped_counter(ht::kMappedReady);
       }
       profile_.stamp("count wait");
+      // Only a finished record, as high_throughput.py's _check_device_errors raises it: one still
+      // being written is raised at the next synchronisation point, as on the Python path.
       if (ready < 0 || reported_error(runtime.error_record())) return py::int_(ready);
       const int num_local = call.num_local_experts();
       const std::vector<int32_t> values = runtime.read_mapped_counters(0, ht::kMappedAlignedExpertCounts + num_local);

@@ -111,11 +111,7 @@ void register_runtime(py::module_& m) {
              return d;
            })
       // Cheap check for the per-call fast path; error_record() builds the full report.
-      .def("has_error",
-           [](const Runtime& self) {
-             const ErrorRecord record = self.error_record();
-             return record.status != 0 || record.invalid_status != 0 || record.peer_failed_status != 0;
-           })
+      .def("has_error", [](const Runtime& self) { return any_error(self.error_record()); })
       .def("has_fatal_error", [](const Runtime& self) { return self.error_record().status != 0; })
       .def("clear_invalid_input", &Runtime::clear_invalid_input)
       // Per-call host path: positional arguments only (keyword matching costs host time).
