@@ -349,14 +349,12 @@ def _launch_once(
     with _child_environment(_module_loading_for(num_ranks)):
         for process in processes:
             process.start()
-    finished = False
     try:
-        values = _collect(processes, results, timeout_secs, may_exit, store_dir)
-        finished = True
+        return _collect(processes, results, timeout_secs, may_exit, store_dir)
+    except BaseException:
+        _end(processes)  # ranks still running after a failure or a timeout
+        raise
     finally:
-        if not finished:
-            _end(processes)
         for process in processes:
             process.join(timeout=30)
         shutil.rmtree(store_dir, ignore_errors=True)
-    return values
