@@ -22,8 +22,9 @@ combine = valid selections x 2H. HBM floor, per GPU: dispatch reads each source 
 (2H bytes) and writes each (token, expert) message once; combine reads each expert row once (2H)
 and writes each final token once (2H); summed over the ranks sharing the GPU, divided by the device
 copy bandwidth (read + write) measured in the same run, plus one barrier. floor_fraction =
-floor / measured time. Kernel times: device time of each send and receive kernel of an eager
-dispatch + combine pair (torch.profiler, median of a few runs, slowest rank). Writes
+floor / measured time. Kernel times: device time of the one kernel of each operation of an eager
+dispatch + combine pair (``fused``) and of the send and receive kernels of a hooked pair
+(torch.profiler, median of a few runs, slowest rank). Writes
 DIR/bench_ll.json and DIR/bench_ll.png.
 
 With --phases the buffers are built with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock):
@@ -64,7 +65,15 @@ OPERATIONS = ("dispatch", "combine")
 LAYERS = 3  # pairs per decode-step chain: 6 operations, a multiple of the 3 LL areas
 LAYER_KINDS = ("rotating", "reusing")
 MODES = ("eager", "graph", "send", "recv")
-KERNELS = ("dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel")
+# An operation without hook is one kernel (fused); with a hook, a send and a receive kernel.
+KERNELS = (
+    "dispatch_fused_kernel",
+    "dispatch_send_kernel",
+    "dispatch_recv_kernel",
+    "combine_fused_kernel",
+    "combine_send_kernel",
+    "combine_recv_kernel",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,8 +234,20 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "rotating": [t / LAYERS for t in timed_after_barrier(buffer, rotating, warmup, iters)],
         "reusing": [t / LAYERS for t in timed_after_barrier(buffer, lambda: _replay(reusing, LAYERS), warmup, iters)],
     }
-    # Device time of each kernel of an eager dispatch + combine pair (each pair after a barrier).
-    kernels = kernel_times_us(buffer, lambda: (trip.dispatch(), trip.combine()), KERNELS)
+    # Device time of each kernel of an eager dispatch + combine pair (one kernel per operation) and
+    # of a hooked pair (send and receive kernels), each pair after a barrier.
+    kernels = kernel_times_us(
+        buffer,
+        lambda: (
+            trip.dispatch(),
+            trip.combine(),
+            trip.dispatch(hook=True),
+            trip.receive(),
+            trip.combine(hook=True),
+            trip.receive(),
+        ),
+        KERNELS,
+    )
     for index, operation in enumerate(OPERATIONS):
         times[operation]["eager"] = eager[index]
         times[operation]["graph"] = graph[index]
@@ -330,7 +351,7 @@ def summarize(per_rank: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
                 kernels = {
                     name: max(e["kernels_us"].get(name, 0.0) for e in entries)
                     for name in KERNELS
-                    if name.startswith(operation)
+                    if name.startswith(operation) and any(name in e["kernels_us"] for e in entries)
                 }
                 bytes_per_rank = [per_selection * entry["num_selections"] for entry in entries]
                 mean_bytes = sum(bytes_per_rank) / len(bytes_per_rank)

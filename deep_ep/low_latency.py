@@ -294,10 +294,15 @@ class LowLatencyMixin:
             launch(_C.low_latency_dispatch_recv, torch.cuda.current_stream())
             handle.received = True
 
+        def send_and_receive(stream: torch.cuda.Stream) -> None:
+            launch(_C.low_latency_dispatch, stream)
+            handle.received = True
+
         event, hook = self._ll_run(
             "low_latency_dispatch",
             lambda stream: launch(_C.low_latency_dispatch_send, stream),
             receive,
+            send_and_receive,
             async_finish,
             return_recv_hook,
             keep_alive=tuple(t for t in (x, topk_idx, recv_count, count_per_source, *outputs, *stats) if t is not None),
@@ -380,6 +385,7 @@ class LowLatencyMixin:
             "low_latency_combine",
             lambda stream: launch(_C.low_latency_combine_send, stream),
             lambda: launch(_C.low_latency_combine_recv, torch.cuda.current_stream()),
+            lambda stream: launch(_C.low_latency_combine, stream),
             async_finish,
             return_recv_hook,
             keep_alive=tuple(
@@ -540,24 +546,26 @@ class LowLatencyMixin:
         operation: str,
         send: Callable[[torch.cuda.Stream], None],
         receive: Callable[[], None],
+        send_and_receive: Callable[[torch.cuda.Stream], None],
         async_finish: bool,
         return_recv_hook: bool,
         keep_alive: tuple[torch.Tensor, ...],
     ) -> tuple[EventOverlap | None, Callable[[], None] | None]:
+        """Launches one LL operation: with a hook, the send kernel now and the receive kernel when
+        the hook is called; otherwise both phases in one launch (on the comm stream with
+        ``async_finish``)."""
         compute = torch.cuda.current_stream(self.device)
         if return_recv_hook:
             send(compute)
             self._ll_num_pending = self._ll_num_pending + 1
             return None, _Hook(self, operation, receive, keep_alive)
         if not async_finish:
-            send(compute)
-            receive()
+            send_and_receive(compute)
             return None, None
         comm = self._comm_stream
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
-            send(comm)
-            receive()
+            send_and_receive(comm)
         event = torch.cuda.Event()
         event.record(comm)
         return EventOverlap(event, extra_tensors=keep_alive), None

@@ -1,17 +1,18 @@
 // Low-latency (decode) dispatch and combine: argument structs, launchers and the area protocol
 // both kernel families share.
 //
-// Each LL operation (dispatch or combine) is a send phase and a receive phase, two kernels, so the
-// receive can be deferred to a hook. Operation n uses area n % kLowLatencyAreas of the LL region
+// Each LL operation (dispatch or combine) is a send phase and a receive phase: two kernels when the
+// receive is deferred to a hook, one kernel running both phases otherwise (send rounds claimed by
+// running CTAs, see next_send_round). Operation n uses area n % kLowLatencyAreas of the LL region
 // (its receive side), given as `area_offset` = ll_offset + area * area_bytes in every window.
 //
 // Protocol (docs/low_latency.md has the full argument):
 //   * counts cells [L][R] of the area are arrival cells: (local expert l, source s) publishes
 //     n + 1 there with a system-scope release after its rows ("0 = not arrived"). Dispatch: the n
 //     tokens of s that selected expert l of the receiver. Combine: the n rows the receiver's
-//     tokens get back from local expert l of s. The receive kernel resets every cell to 0.
+//     tokens get back from local expert l of s. The receive phase resets every cell to 0.
 //   * flags cells [R] of each area are counts, never reset: ready[me] in my own window counts the
-//     operations whose receive phase ran on this area (bumped by the receive kernel); ready[d] in
+//     operations whose receive phase ran on this area (bumped at the end of it); ready[d] in
 //     my window counts the operations on this area whose data rank d has released. A send phase
 //     of epoch e = ready[me] + 1 on an area waits until every peer released e - 1 operations there
 //     — a poll of its own window — before writing into that peer's area.
@@ -61,11 +62,15 @@
 namespace deep_ep {
 
 // Workspace scratch ints of the LL kernels, back to 0 when a kernel ends, the last ones away from
-// other kernels' scratch; one per area so that operations on different streams never share one:
-// [area] CTA arrival counter of the combine receive kernel, [kLowLatencyAreas + area] CTA finish
-// counter of the send kernels (the last CTA publishes the releases).
-constexpr int kLowLatencyScratchIndex = WorkspaceLayout::kNumScratchInts - 2 * kLowLatencyAreas;
-constexpr int kLowLatencySendScratchIndex = kLowLatencyScratchIndex + kLowLatencyAreas;
+// other kernels' scratch; one per (kind, area) so that operations on different streams never share
+// one. Kinds: the CTA finish counter of a receive phase (its last CTA resets the arrival cells or
+// bumps the area's epoch), the CTA finish counter of a send phase (its last CTA publishes the
+// releases) and the send round counter of a one-kernel operation (running CTAs claim rounds).
+struct LowLatencyScratch {
+  enum Kind : int { kReceiveFinish = 0, kSendFinish = 1, kSendClaim = 2, kNumKinds = 3 };
+  static constexpr int kFirstIndex = WorkspaceLayout::kNumScratchInts - kNumKinds * kLowLatencyAreas;
+  static constexpr int index(Kind kind, int area) { return kFirstIndex + kind * kLowLatencyAreas + area; }
+};
 
 // Layout of the fp8 scales the dispatch receive phase writes into its output (compact rows).
 enum class LowLatencyScales : int {
@@ -83,7 +88,7 @@ struct LowLatencyDispatchArgs {
   LowLatencyLayout layout;
   int64_t ll_offset = 0;    // window offset of the LL region (area 0)
   int64_t area_offset = 0;  // window offset of this operation's area
-  int area = 0;             // of area_offset: picks the send kernel's scratch counter
+  int area = 0;             // of area_offset: picks the kernels' scratch counters
   int num_experts = 0;
   int hidden = 0;
   int num_tokens = 0;  // T <= layout.num_max_tokens
@@ -140,6 +145,9 @@ void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaSt
 void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream);
 void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream);
+// Both phases of one operation, in one kernel where it fits (no receive hook): same arguments.
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 
 // Host checks both LL operations share: the call must match what the buffer's LL region was
 // sized for. Throws std::invalid_argument naming the argument, the value and the rule.
@@ -148,6 +156,47 @@ void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int n
 
 #if defined(__CUDACC__)
 namespace low_latency {
+
+// This rank's LL scratch int of `kind` for `area` (LowLatencyScratch).
+__device__ __forceinline__ int32_t* scratch_int(const DeviceView& view, LowLatencyScratch::Kind kind, int area) {
+  return view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{LowLatencyScratch::index(kind, area)} * 4);
+}
+
+// Send rounds. A send phase splits its work into `num_rounds` rounds; round q is what CTA q % G
+// of a G-CTA grid did in its round q / G when each CTA took its rounds in turn. Two kernels per
+// operation: CTA c takes rounds c, c + G, ... (kClaimed = false). One kernel per operation: a
+// CTA's receive phase waits for rows that any round may send, and the CTAs of a grid are not
+// all resident at once (other kernels, other ranks' kernels under MPS share the SMs); so running
+// CTAs claim rounds from the area's kSendClaim counter (kClaimed = true), and a CTA receives only
+// once every round is claimed: each round belongs to a running CTA that finishes it without
+// waiting on this grid. CTA-collective; the first claim is made before the area gate.
+template <bool kClaimed>
+__device__ __forceinline__ int next_send_round(int32_t* claim_counter, int previous) {
+  if constexpr (!kClaimed) {
+    return previous < 0 ? static_cast<int>(blockIdx.x) : previous + static_cast<int>(gridDim.x);
+  } else {
+    __shared__ int claimed;
+    __syncthreads();  // every thread has read the previous claim
+    if (threadIdx.x == 0) claimed = atomicAdd(claim_counter, 1);
+    __syncthreads();
+    return claimed;
+  }
+}
+
+// Round q of a round-split loop whose CTA c took items base + j * G + c (j < per_round), bases
+// stepping by G * per_round: its first item and item stride.
+struct SendRound {
+  int base;  // the item of j = 0
+  int stride;
+};
+__device__ __forceinline__ SendRound send_round(int round, int per_round) {
+  const int grid = static_cast<int>(gridDim.x);
+  return SendRound{(round / grid) * grid * per_round + round % grid, grid};
+}
+__device__ __forceinline__ int num_send_rounds(int num_items, int per_round) {
+  const int grid = static_cast<int>(gridDim.x);
+  return (num_items + grid * per_round - 1) / (grid * per_round) * grid;
+}
 
 __device__ __forceinline__ int32_t* arrival_cell(const DeviceView& view, int rank, const LowLatencyLayout& layout,
                                                  int64_t area_offset, int local_expert, int source) {
@@ -241,8 +290,9 @@ __device__ __forceinline__ scaleout::DeferredQueue* transport_queue() {
 }
 
 // Epoch of the operation being sent: one more than the operations whose receive phase already ran
-// on this area. Only receive kernels write ready[me] in my window, and they are stream-ordered
-// around send kernels, so every CTA of a send kernel reads the same value.
+// on this area. Only receive phases write ready[me] in my window: a receive kernel is stream-
+// ordered after its send kernel, and a one-kernel operation bumps it from its last CTA to finish
+// (every CTA read it at its start), so every CTA of a send phase reads the same value.
 __device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                               int64_t area_offset) {
   return ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
@@ -254,16 +304,18 @@ __device__ __forceinline__ int32_t arrival_value(int32_t count, bool input_faile
   return count + 1 + (input_failed ? static_cast<int32_t>(kFailedInputSignalFlag) : 0);
 }
 
-// Start of a send phase; every thread of every CTA, before the CTA writes into any peer's area.
-// CTA 0 releases the earlier operations on this area (epoch - 1) to every peer; each CTA then waits
-// until every peer released epoch - 1 operations here — normally already true, from the peer's
-// previous send. Returns false on timeout (the CTA must not write then).
+// Start of a send phase; every thread of every CTA that sends, before the CTA writes into any
+// peer's area. The CTA holding round 0 (`publishes`) releases the earlier operations on this area
+// (epoch - 1) to every peer; each CTA then waits until every peer released epoch - 1 operations
+// here — normally already true, from the peer's previous send. Round 0's holder publishes because
+// it is sure to run before this rank's receive phase waits on the peers (whose sends wait for this
+// release). Returns false on timeout (the CTA must not write then).
 __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int area,
-                                           int64_t area_offset, int32_t epoch, Operation operation,
+                                           int64_t area_offset, int32_t epoch, bool publishes, Operation operation,
                                            int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  if (blockIdx.x == 0) {
+  if (publishes) {
     for (int peer = threadIdx.x; peer < view.num_ranks; peer += blockDim.x) {
       // Release: everything this rank did before this kernel (its use of the area) happens-before
       // the peer's writes into it.
@@ -291,11 +343,13 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
 // every peer how many operations of each area this rank has released: on this operation's area
 // every earlier one (epoch - 1); on the area of the previous operation all but that one; on any
 // other area every received one (all are at least two operations old). Then it records this
-// operation as the previous one. `counter`: this area's send scratch int (back to 0 here).
-// Returns true in every thread of the last CTA (every other CTA is then done with the kernel's
-// window accesses), false elsewhere.
+// operation as the previous one. Every CTA of the grid calls it once it has no send round left
+// (with claimed rounds: after its last claim), so the last one also sets the area's claim counter
+// back to 0. Returns true in every thread of the last CTA (every other CTA is then done with the
+// send phase's window accesses), false elsewhere.
 __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
-                                         int area, int32_t epoch, int32_t* counter, const int32_t* rank_mask) {
+                                         int area, int32_t epoch, const int32_t* rank_mask) {
+  int32_t* counter = scratch_int(view, LowLatencyScratch::kSendFinish, area);
   __shared__ int is_last;
   __shared__ int32_t previous[kLowLatencyStateInts];
   __shared__ int32_t received[kLowLatencyAreas];
@@ -306,7 +360,10 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
   if (thread == 0) {
     // acq_rel: every CTA's window accesses happen-before the last CTA's release stores below.
     is_last = ptx::atomic_add_acq_rel_gpu(counter, 1) == static_cast<int32_t>(gridDim.x) - 1;
-    if (is_last) *counter = 0;  // workspace invariant: scratch is zero between kernels
+    if (is_last) {  // workspace invariant: scratch is zero between kernels
+      *counter = 0;
+      *scratch_int(view, LowLatencyScratch::kSendClaim, area) = 0;
+    }
   } else if (thread >= 32 && thread < 32 + kLowLatencyStateInts) {
     // What the last CTA needs, loaded by other warps while thread 0 counts (every CTA: it is not
     // known yet which is last): this rank's last send, and how many operations each area received.
@@ -352,11 +409,27 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
   return true;
 }
 
-// The receive kernel's last act on the area: one more operation has been received here.
+// The receive phase's last act on the area: one more operation has been received here.
 __device__ __forceinline__ void bump_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                            int64_t area_offset) {
   int32_t* cell = flags_cell(view, view.rank, layout, area_offset, view.rank);
   ptx::st_relaxed_sys(cell, ptx::ld_relaxed_sys(cell) + 1);
+}
+
+// Counts this CTA as finished with a receive phase (the area's kReceiveFinish counter, set back to
+// 0 by the last CTA); true in every thread of the grid's last CTA to get here. acq_rel: whatever the
+// other CTAs did before they counted (their waits, their reads of the epoch) happens-before what
+// the last one does next. CTA-collective.
+__device__ __forceinline__ bool last_to_finish(const DeviceView& view, int area) {
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = scratch_int(view, LowLatencyScratch::kReceiveFinish, area);
+    is_last = ptx::atomic_add_acq_rel_gpu(counter, 1) == static_cast<int32_t>(gridDim.x) - 1;
+    if (is_last) *counter = 0;  // workspace invariant: scratch is zero between kernels
+  }
+  __syncthreads();
+  return is_last != 0;
 }
 
 // Copies one row of `num_vectors` 16-byte vectors with one warp, `kUnroll` vectors per lane in

@@ -64,8 +64,11 @@ __device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scale
       staging, row_bytes);
 }
 
-template <bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
+// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
+// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
+// low_latency::next_send_round says why).
+template <bool kScaleout, bool kClaimed>
+__device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   __shared__ int unit_counts[kUnitsPerRound];
   __shared__ int64_t unit_first_x_row[kUnitsPerRound];
   __shared__ int unit_via_transport[kUnitsPerRound];
@@ -75,117 +78,130 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel
   const int num_vectors = args.hidden / 8;
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const int num_units = layout.num_local_experts * num_ranks;
 
-  clock_phase(view, ClockedKernel::kLlCombineSend, 0);
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
+  const int num_rounds = low_latency::num_send_rounds(num_units, kUnitsPerRound);
+  int round = low_latency::next_send_round<kClaimed>(claims, -1);
+  // A CTA without a round (a one-kernel combine whose other CTAs took them all) neither gates nor
+  // stamps: only the CTAs that send leave send stamps.
+  const bool sends = round < num_rounds;
+  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 0);
   // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
   const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
   scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
   if constexpr (kScaleout) transport.init(group);
-  if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlCombine,
-                              args.rank_mask)) {
-    clock_phase(view, ClockedKernel::kLlCombineSend, 1);
-    const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
-    const auto* rows = static_cast<const int4*>(args.x);
-    const int num_units = layout.num_local_experts * num_ranks;
-    // Round r of CTA c takes units r * gridDim * kUnitsPerRound + j * gridDim + c (j < kUnitsPerRound),
-    // unit = l * R + s: source-fastest, so neighbouring CTAs write to different ranks. A unit has few
-    // rows (about T * K / E), so the rows of a whole round are spread over the warps together.
-    for (int round_base = 0; round_base < num_units; round_base += gridDim.x * kUnitsPerRound) {
-      const auto unit_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
-      if (threadIdx.x < kUnitsPerRound) {
-        const int unit = unit_of(threadIdx.x);
-        // Clamped so that a corrupted count can never address past the slots. Without the handle's
-        // counts (a failed input with no usable handle) this rank sends no row.
-        // A masked source rank gets no row (and no arrival cell, below).
-        unit_counts[threadIdx.x] =
-            unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
-                ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
-                : 0;
-        // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
-        // (first row from its layout range, clamped inside the expert's rows like the count).
-        int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
-        if (unit < num_units && args.layout_range != nullptr) {
-          const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
-          const int64_t begin =
-              std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
-          first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
-        }
-        unit_first_x_row[threadIdx.x] = first_x_row;
-        // Decided once per round: a mask may change meanwhile, and every thread must take part in
-        // the same signals.
-        unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
-                                          low_latency::via_transport(view, unit % num_ranks) &&
-                                          !peer_masked(args.rank_mask, unit % num_ranks);
+  const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
+                                                     Operation::kLlCombine, args.rank_mask);
+  if (open) clock_phase(view, ClockedKernel::kLlCombineSend, 1);
+  const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
+  const auto* rows = static_cast<const int4*>(args.x);
+  // Round q takes units base + j * stride (j < kUnitsPerRound), unit = l * R + s: source-fastest,
+  // so neighbouring CTAs write to different ranks. A unit has few rows (about T * K / E), so the
+  // rows of a whole round are spread over the warps together. After a timeout the CTA still takes
+  // its rounds (claimed ones are nobody else's) but sends nothing.
+  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+    if (!open) continue;
+    const low_latency::SendRound units = low_latency::send_round(round, kUnitsPerRound);
+    const auto unit_of = [&](int j) { return units.base + j * units.stride; };
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      // Clamped so that a corrupted count can never address past the slots. Without the handle's
+      // counts (a failed input with no usable handle) this rank sends no row.
+      // A masked source rank gets no row (and no arrival cell, below).
+      unit_counts[threadIdx.x] =
+          unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
+              ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+              : 0;
+      // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
+      // (first row from its layout range, clamped inside the expert's rows like the count).
+      int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
+      if (unit < num_units && args.layout_range != nullptr) {
+        const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
+        const int64_t begin =
+            std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+        first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
       }
-      __syncthreads();
-
-      int rows_before = 0;
-      for (int j = 0; j < kUnitsPerRound; ++j) {
-        const int unit = unit_of(j);
-        if (unit >= num_units) break;
-        const int count = unit_counts[j];
-        const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
-        const int64_t first_x_row = unit_first_x_row[j];
-        int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
-        for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
-          const int64_t row = first_row + i;
-          const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
-          const int token = header.x;
-          const int slot = header.y;
-          if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
-          // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
-          if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
-            put_row(args, transport, unit % num_ranks, row,
-                    rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
-            continue;
-          }
-          int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
-          if (rows == nullptr) {
-            // This rank's input failed: its expert outputs count as zero, not as stale slot data.
-            for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
-          } else {
-            low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
-          }
-        }
-        rows_before += count;
-      }
-      __syncthreads();
-      clock_phase(view, ClockedKernel::kLlCombineSend, 2);
-
-      if constexpr (kScaleout) {
-        // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
-        transport.signal_each(group, kUnitsPerRound, [&](int j) {
-          if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
-          const int unit = unit_of(j);
-          const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
-                               (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
-          return scaleout::SignalItem{unit % num_ranks,
-                                      low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
-        });
-      }
-      if (threadIdx.x < kUnitsPerRound) {
-        const int unit = unit_of(threadIdx.x);
-        if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
-            !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
-          // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
-          // cell, which a strong store after the fence releases (no second fence).
-          ptx::fence_acq_rel_sys();
-          ptx::st_relaxed_sys(
-              low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
-              low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
-        }
-      }
-      __syncthreads();  // unit_counts is rewritten by the next round
-      clock_phase(view, ClockedKernel::kLlCombineSend, 3);
+      unit_first_x_row[threadIdx.x] = first_x_row;
+      // Decided once per round: a mask may change meanwhile, and every thread must take part in
+      // the same signals.
+      unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
+                                        low_latency::via_transport(view, unit % num_ranks) &&
+                                        !peer_masked(args.rank_mask, unit % num_ranks);
     }
-    // Every source this CTA put may be rewritten by the next operation.
-    if constexpr (kScaleout) transport.flush(group);
+    __syncthreads();
+
+    int rows_before = 0;
+    for (int j = 0; j < kUnitsPerRound; ++j) {
+      const int unit = unit_of(j);
+      if (unit >= num_units) break;
+      const int count = unit_counts[j];
+      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
+      const int64_t first_x_row = unit_first_x_row[j];
+      int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
+      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+        const int64_t row = first_row + i;
+        const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
+        const int token = header.x;
+        const int slot = header.y;
+        if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+        // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
+        if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
+          put_row(args, transport, unit % num_ranks, row,
+                  rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
+          continue;
+        }
+        int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
+        if (rows == nullptr) {
+          // This rank's input failed: its expert outputs count as zero, not as stale slot data.
+          for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
+        } else {
+          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
+        }
+      }
+      rows_before += count;
+    }
+    __syncthreads();
+    clock_phase(view, ClockedKernel::kLlCombineSend, 2);
+
+    if constexpr (kScaleout) {
+      // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
+      transport.signal_each(group, kUnitsPerRound, [&](int j) {
+        if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
+        const int unit = unit_of(j);
+        const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
+                             (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
+        return scaleout::SignalItem{unit % num_ranks,
+                                    low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
+      });
+    }
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
+          !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
+        // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
+        // cell, which a strong store after the fence releases (no second fence).
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(
+            low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
+            low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
+      }
+    }
+    __syncthreads();  // unit_counts is rewritten by the next round
+    clock_phase(view, ClockedKernel::kLlCombineSend, 3);
   }
-  int32_t* counter =
-      view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
-  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask);
-  clock_phase(view, ClockedKernel::kLlCombineSend, 4);
+  // Every source this CTA put may be rewritten by the next operation.
+  if constexpr (kScaleout) {
+    if (open) transport.flush(group);
+  }
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, args.rank_mask);
+  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 4);
+}
+
+template <bool kScaleout>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
+  send_phase<kScaleout, false>(args);
 }
 
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
@@ -196,69 +212,78 @@ __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
   return packed;
 }
 
-// Every CTA waits for all L * R arrival cells (a token may have rows from any of them); the last
-// CTA past its wait resets the cells. Then the warps reduce the K slots of each token.
-__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {
+// CTAs that sum rows of a T-token combine: a work item is (token, chunk of 32 * kReduceUnroll
+// vectors), one per warp, so that a handful of tokens still keeps several CTAs busy.
+__host__ __device__ __forceinline__ int reduce_chunks_per_token(int hidden) {
+  return (hidden / 8 + 32 * kReduceUnroll - 1) / (32 * kReduceUnroll);
+}
+__host__ __device__ __forceinline__ int reduce_ctas(int num_tokens, int hidden) {
+  const int64_t num_items = int64_t{num_tokens} * reduce_chunks_per_token(hidden);
+  return static_cast<int>(num_items > kRecvWarps ? (num_items + kRecvWarps - 1) / kRecvWarps : 1);
+}
+
+// The receive phase. Every CTA that sums rows (all of the receive kernel's, the first reduce_ctas
+// of the one-kernel combine's, `kFused`) waits for all L * R arrival cells (a token may have rows
+// from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to finish
+// its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen every
+// cell and read the epoch. Then the warps reduce the K slots of each token.
+template <bool kFused>
+__device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
-  __shared__ int is_last;
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
   const int num_cells = layout.num_local_experts * num_ranks;
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
 
-  clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  const long long start = clock64();
-  for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-    const int source = cell_index % num_ranks;
-    WaitResult result;
-    if (low_latency::via_transport(view, source)) {
-      // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
-      const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
-      int64_t delta = 0;
-      result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source,
-                                                id, *scaleout::shadow_cell(view, id), &delta);
-      if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
-        record_peer_failed(view, Operation::kLlCombine, source);
+  if (receives) {
+    clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    const long long start = clock64();
+    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+      const int source = cell_index % num_ranks;
+      WaitResult result;
+      if (low_latency::via_transport(view, source)) {
+        // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
+        const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+        int64_t delta = 0;
+        result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive,
+                                                  source, id, *scaleout::shadow_cell(view, id), &delta);
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
+        }
+      } else {
+        const int32_t* cell =
+            low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+        int32_t value = 0;
+        result = wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1,
+                              [&](int64_t& seen) {
+                                value = ptx::ld_acquire_sys(cell);
+                                seen = value;
+                                return value != 0;
+                              });
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
+        }
       }
-    } else {
-      const int32_t* cell =
-          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
-      int32_t value = 0;
-      result =
-          wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-            value = ptx::ld_acquire_sys(cell);
-            seen = value;
-            return value != 0;
-          });
-      if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
-        record_peer_failed(view, Operation::kLlCombine, source);
+      if (result == WaitResult::kFailed) atomicExch(&failed, 1);
+      // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
+      if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
+                  static_cast<unsigned long long>(clock64() - start));
       }
     }
-    if (result == WaitResult::kFailed) atomicExch(&failed, 1);
-    // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
-    if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
-                static_cast<unsigned long long>(clock64() - start));
-    }
+    __syncthreads();
+    clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
+    if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
   }
-  __syncthreads();
-  clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
-  if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
 
-  if (threadIdx.x == 0) {
-    int32_t* arrivals =
-        view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencyScratchIndex + args.area} * 4);
-    is_last = ptx::atomic_add_acq_rel_gpu(arrivals, 1) == static_cast<int32_t>(gridDim.x) - 1;
-    if (is_last) *arrivals = 0;  // workspace invariant: scratch is zero between kernels
-  }
-  __syncthreads();
-  if (is_last) {
-    // Every CTA has seen every cell; the senders write them again only after this rank's next
-    // operation on the area has started (after this kernel).
+  if (low_latency::last_to_finish(view, args.area)) {
+    // Every CTA that waits has seen every cell; the senders write them again only after this
+    // rank's next operation on the area has started (after this kernel).
     for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
       const int source = cell_index % num_ranks;
       if (low_latency::via_transport(view, source)) {
@@ -275,12 +300,11 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
     }
     if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
   }
+  if (!receives) return;
 
-  // Work item = (token, chunk of 32 * kReduceUnroll vectors), one per warp: enough items to keep
-  // every CTA busy even for a handful of tokens.
   const int num_vectors = args.hidden / 8;
   const int chunk_vectors = 32 * kReduceUnroll;
-  const int chunks_per_token = (num_vectors + chunk_vectors - 1) / chunk_vectors;
+  const int chunks_per_token = reduce_chunks_per_token(args.hidden);
   const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
   const auto* payload = view.local<const int4>(args.area_offset + layout.combine_payload_offset);
   auto* out = static_cast<int4*>(args.out);
@@ -335,6 +359,18 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel
   clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
 }
 
+__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {
+  receive_phase<false>(args);
+}
+
+// One kernel per operation (no receive hook): the send phase with claimed rounds, then the receive.
+template <bool kScaleout>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_fused_kernel(const LowLatencyCombineArgs args) {
+  static_assert(kLowLatencySendThreads == kLowLatencyRecvThreads, "one block size for both phases");
+  send_phase<kScaleout, true>(args);
+  receive_phase<true>(args);
+}
+
 void check_args(const LowLatencyCombineArgs& args) {
   check_low_latency_call(args.layout, args.view.num_ranks, args.num_experts, args.num_tokens, args.num_topk);
   EP_REQUIRE(args.hidden > 0 && args.hidden % 8 == 0,
@@ -359,18 +395,31 @@ void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStre
 
 void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   check_args(args);
-  const int chunks_per_token = (args.hidden / 8 + 32 * kReduceUnroll - 1) / (32 * kReduceUnroll);
-  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
-  const int busy_blocks = static_cast<int>(std::max<int64_t>(1, (num_items + kRecvWarps - 1) / kRecvWarps));
-  const int grid = std::clamp(args.num_sms, 1, busy_blocks);
+  const int grid = std::clamp(args.num_sms, 1, reduce_ctas(args.num_tokens, args.hidden));
   combine_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
   EP_CHECK_LAUNCH("low_latency_combine_recv");
+}
+
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream) {
+  check_args(args);
+  // As many CTAs as the larger phase uses: the send's units or the receive's reducing CTAs.
+  const int grid = std::clamp(args.num_sms, 1,
+                              std::max(args.layout.num_local_experts * args.view.num_ranks,
+                                       reduce_ctas(args.num_tokens, args.hidden)));
+  if (args.view.ll_ranks_per_node > 0) {
+    combine_fused_kernel<true><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  } else {
+    combine_fused_kernel<false><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
+  }
+  EP_CHECK_LAUNCH("low_latency_combine");
 }
 
 void preload_low_latency_combine_kernels() {
   preload_kernel(combine_send_kernel<false>, "ll combine send");
   preload_kernel(combine_send_kernel<true>, "ll combine send across nodes");
   preload_kernel(combine_recv_kernel, "ll combine receive");
+  preload_kernel(combine_fused_kernel<false>, "ll combine in one kernel");
+  preload_kernel(combine_fused_kernel<true>, "ll combine in one kernel across nodes");
 }
 
 }  // namespace deep_ep

@@ -191,11 +191,13 @@ __device__ __forceinline__ void put_row(const LowLatencyDispatchArgs& args, scal
   }
 }
 
-// The rounds of the dispatch send kernel (after the area gate): see the file comment.
+// One round of the dispatch send phase (after the area gate): the experts round.base + j *
+// round.stride (j < experts_per_round); see the file comment.
 template <bool kUseFp8, bool kScaleout>
-__device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, const int16_t* expert_ids,
-                                            int32_t* lists, int* list_sizes, int experts_per_round,
-                                            scaleout::Transport& transport, const scaleout::WarpGroup& group) {
+__device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, const int16_t* expert_ids,
+                                           int32_t* lists, int* list_sizes, int experts_per_round,
+                                           low_latency::SendRound round, scaleout::Transport& transport,
+                                           const scaleout::WarpGroup& group) {
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_tokens = args.num_tokens;
@@ -205,131 +207,128 @@ __device__ __forceinline__ void send_rounds(const LowLatencyDispatchArgs& args, 
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
 
-  // Round r of CTA c takes experts r * gridDim * batch + j * gridDim + c (j < batch): strided so
-  // that every CTA gets work even when E is not much larger than the grid.
-  const int round_stride = gridDim.x * experts_per_round;
-  for (int round_base = 0; round_base < args.num_experts; round_base += round_stride) {
-    const auto expert_of = [&](int j) { return round_base + j * static_cast<int>(gridDim.x) + blockIdx.x; };
-    if (warp < experts_per_round) {
-      const int expert = expert_of(warp);
-      int count = 0;
-      if (expert < args.num_experts) {
-        int32_t* list = lists + warp * num_tokens;
-        int slot = 0;
-        count = warp_enumerate_in_token_order(
-            num_tokens,
-            [&](int token) {
-              for (int k = 0; k < num_topk; ++k) {
-                if (expert_ids[token * num_topk + k] == expert) {
-                  slot = k;
-                  return true;
-                }
+  const auto expert_of = [&](int j) { return round.base + j * round.stride; };
+  if (warp < experts_per_round) {
+    const int expert = expert_of(warp);
+    int count = 0;
+    if (expert < args.num_experts) {
+      int32_t* list = lists + warp * num_tokens;
+      int slot = 0;
+      count = warp_enumerate_in_token_order(
+          num_tokens,
+          [&](int token) {
+            for (int k = 0; k < num_topk; ++k) {
+              if (expert_ids[token * num_topk + k] == expert) {
+                slot = k;
+                return true;
               }
-              return false;
-            },
-            [&](int token, int ordinal) { list[ordinal] = (token << kSlotBits) | slot; });
-      }
-      if (lane == 0) list_sizes[warp] = count;
+            }
+            return false;
+          },
+          [&](int token, int ordinal) { list[ordinal] = (token << kSlotBits) | slot; });
     }
-    __syncthreads();
-    clock_phase(view, ClockedKernel::kLlDispatchSend, 2);
+    if (lane == 0) list_sizes[warp] = count;
+  }
+  __syncthreads();
+  clock_phase(view, ClockedKernel::kLlDispatchSend, 2);
 
-    // Rows of the round go round-robin over all warps, so a hot expert does not serialise on one.
-    int rows_before = 0;
-    for (int j = 0; j < experts_per_round; ++j) {
-      const int expert = expert_of(j);
-      if (expert >= args.num_experts) break;
-      const int count = list_sizes[j];
-      const int dest = expert / num_local;
-      // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
-      const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
-      // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
-      const int first_i =
-          peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
-      // lsa puts are plain stores anyway: store straight into the peer as within a node (no staging
-      // write and re-read); the arrival signal covers these stores as it covers a put.
-      const bool remote = kScaleout && low_latency::via_transport(view, dest) && !low_latency::stores_directly(view);
-      // When the call has at most one row per warp of the grid, each row's warp quantises the token
-      // itself: the warps work in parallel anyway, and the shared staging row would put a store, a
-      // fence, another warp's flag wait and a reload between x and the destination. Same bytes.
-      const bool quantise_here = int64_t{num_tokens} * num_topk <= int64_t{gridDim.x} * kSendWarps;
-      for (int i = first_i; i < count; i += kSendWarps) {
-        const int32_t entry = lists[j * num_tokens + i];
-        const int token = entry >> kSlotBits;
-        const int64_t row = first_row + i;
-        if (remote) {
-          put_row<kUseFp8>(args, transport, dest, expert, i, row, entry, lane);
-          continue;
-        }
-        if constexpr (kUseFp8) {
-          send_fp8_row(args, dest, row, token, quantise_here, lane);
-        } else {
-          send_bf16_row(args, dest, row, token, lane);
-        }
-        if (lane == 0) {
-          int4* header = view.peer<int4>(dest, args.area_offset + layout.dispatch_headers_offset) + row;
-          ptx::st_na_v4(header, make_int4(token, entry & ((1 << kSlotBits) - 1), 0, 0));
-        }
+  // Rows of the round go round-robin over all warps, so a hot expert does not serialise on one.
+  int rows_before = 0;
+  for (int j = 0; j < experts_per_round; ++j) {
+    const int expert = expert_of(j);
+    if (expert >= args.num_experts) break;
+    const int count = list_sizes[j];
+    const int dest = expert / num_local;
+    // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
+    const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
+    // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
+    const int first_i =
+        peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
+    // lsa puts are plain stores anyway: store straight into the peer as within a node (no staging
+    // write and re-read); the arrival signal covers these stores as it covers a put.
+    const bool remote = kScaleout && low_latency::via_transport(view, dest) && !low_latency::stores_directly(view);
+    // When the call has at most one row per warp of the grid, each row's warp quantises the token
+    // itself: the warps work in parallel anyway, and the shared staging row would put a store, a
+    // fence, another warp's flag wait and a reload between x and the destination. Same bytes.
+    const bool quantise_here = int64_t{num_tokens} * num_topk <= int64_t{gridDim.x} * kSendWarps;
+    for (int i = first_i; i < count; i += kSendWarps) {
+      const int32_t entry = lists[j * num_tokens + i];
+      const int token = entry >> kSlotBits;
+      const int64_t row = first_row + i;
+      if (remote) {
+        put_row<kUseFp8>(args, transport, dest, expert, i, row, entry, lane);
+        continue;
       }
-      rows_before += count;
+      if constexpr (kUseFp8) {
+        send_fp8_row(args, dest, row, token, quantise_here, lane);
+      } else {
+        send_bf16_row(args, dest, row, token, lane);
+      }
+      if (lane == 0) {
+        int4* header = view.peer<int4>(dest, args.area_offset + layout.dispatch_headers_offset) + row;
+        ptx::st_na_v4(header, make_int4(token, entry & ((1 << kSlotBits) - 1), 0, 0));
+      }
     }
-    __syncthreads();
-    clock_phase(view, ClockedKernel::kLlDispatchSend, 3);
+    rows_before += count;
+  }
+  __syncthreads();
+  clock_phase(view, ClockedKernel::kLlDispatchSend, 3);
 
-    if constexpr (kScaleout) {
-      // Header blocks (one warp per expert), then one arrival signal per expert: the CTA is the
-      // group, so each signal covers the puts every warp of the CTA issued to that peer. Whether
-      // an expert's rank gets a signal is decided once (a mask may change meanwhile, and every
-      // thread must take part in the same signals).
-      __shared__ int signal_expert[kSendWarps];
-      if (static_cast<int>(threadIdx.x) < experts_per_round) {
-        const int expert = expert_of(threadIdx.x);
-        signal_expert[threadIdx.x] = expert < args.num_experts &&
-                                     low_latency::via_transport(view, expert / num_local) &&
-                                     !peer_masked(args.rank_mask, expert / num_local);
-      }
-      __syncthreads();
-      for (int j = warp; j < experts_per_round; j += kSendWarps) {
-        if (signal_expert[j] == 0 || list_sizes[j] == 0 || low_latency::stores_directly(view)) continue;
-        const int expert = expert_of(j);
-        const int dest = expert / num_local;
-        const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
-        transport.put(dest,
-                      args.area_offset + layout.dispatch_headers_offset + first_row * kLowLatencyMessageHeaderBytes,
-                      args.area_offset + layout.staging_headers_offset +
-                          int64_t{expert} * layout.num_max_tokens * kLowLatencyMessageHeaderBytes,
-                      int64_t{list_sizes[j]} * kLowLatencyMessageHeaderBytes);
-      }
-      transport.signal_each(group, experts_per_round, [&](int j) {
-        if (signal_expert[j] == 0) return scaleout::SignalItem{};
-        const int expert = expert_of(j);
-        const uint64_t add = static_cast<uint64_t>(list_sizes[j]) + 1 +
-                             (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
-        return scaleout::SignalItem{expert / num_local,
-                                    low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add};
-      });
-    }
+  if constexpr (kScaleout) {
+    // Header blocks (one warp per expert), then one arrival signal per expert: the CTA is the
+    // group, so each signal covers the puts every warp of the CTA issued to that peer. Whether
+    // an expert's rank gets a signal is decided once (a mask may change meanwhile, and every
+    // thread must take part in the same signals).
+    __shared__ int signal_expert[kSendWarps];
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);
-      if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local) &&
-          !(kScaleout && low_latency::via_transport(view, expert / num_local))) {
-        // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
-        // before the count, which a strong store after it releases (a release store would fence a
-        // second time); the receiver's acquire of the count then covers them.
-        ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
-                                                      expert % num_local, view.rank),
-                            low_latency::arrival_value(list_sizes[threadIdx.x], args.input_failed));
-      }
+      signal_expert[threadIdx.x] = expert < args.num_experts &&
+                                   low_latency::via_transport(view, expert / num_local) &&
+                                   !peer_masked(args.rank_mask, expert / num_local);
     }
-    __syncthreads();  // lists and list_sizes are rewritten by the next round
-    clock_phase(view, ClockedKernel::kLlDispatchSend, 4);
+    __syncthreads();
+    for (int j = warp; j < experts_per_round; j += kSendWarps) {
+      if (signal_expert[j] == 0 || list_sizes[j] == 0 || low_latency::stores_directly(view)) continue;
+      const int expert = expert_of(j);
+      const int dest = expert / num_local;
+      const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
+      transport.put(dest,
+                    args.area_offset + layout.dispatch_headers_offset + first_row * kLowLatencyMessageHeaderBytes,
+                    args.area_offset + layout.staging_headers_offset +
+                        int64_t{expert} * layout.num_max_tokens * kLowLatencyMessageHeaderBytes,
+                    int64_t{list_sizes[j]} * kLowLatencyMessageHeaderBytes);
+    }
+    transport.signal_each(group, experts_per_round, [&](int j) {
+      if (signal_expert[j] == 0) return scaleout::SignalItem{};
+      const int expert = expert_of(j);
+      const uint64_t add = static_cast<uint64_t>(list_sizes[j]) + 1 +
+                           (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
+      return scaleout::SignalItem{expert / num_local,
+                                  low_latency::arrival_signal(view, args.area, expert % num_local, view.rank), add};
+    });
   }
+  if (static_cast<int>(threadIdx.x) < experts_per_round) {
+    const int expert = expert_of(threadIdx.x);
+    if (expert < args.num_experts && !peer_masked(args.rank_mask, expert / num_local) &&
+        !(kScaleout && low_latency::via_transport(view, expert / num_local))) {
+      // The fence orders every row the CTA wrote this round (seen through the __syncthreads)
+      // before the count, which a strong store after it releases (a release store would fence a
+      // second time); the receiver's acquire of the count then covers them.
+      ptx::fence_acq_rel_sys();
+      ptx::st_relaxed_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
+                                                    expert % num_local, view.rank),
+                          low_latency::arrival_value(list_sizes[threadIdx.x], args.input_failed));
+    }
+  }
+  __syncthreads();  // lists and list_sizes are rewritten by the next round
+  clock_phase(view, ClockedKernel::kLlDispatchSend, 4);
 }
 
-template <bool kUseFp8, bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
-    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
+// The send phase (see the file comment); rounds of experts_per_round experts, taken in turn by
+// each CTA (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel dispatch;
+// low_latency::next_send_round says why).
+template <bool kUseFp8, bool kScaleout, bool kClaimed>
+__device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, int experts_per_round) {
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ int list_sizes[kSendWarps];
   const DeviceView& view = args.view;
@@ -341,9 +340,15 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   auto* expert_ids = reinterpret_cast<int16_t*>(shared);
   auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
 
-  clock_phase(view, ClockedKernel::kLlDispatchSend, 0);
   const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
+  int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
+  const int num_rounds = low_latency::num_send_rounds(args.num_experts, experts_per_round);
+  int round = low_latency::next_send_round<kClaimed>(claims, -1);
+  // A CTA without a round (a one-kernel dispatch whose other CTAs took them all) neither gates nor
+  // stamps: only the CTAs that send leave send stamps.
+  const bool sends = round < num_rounds;
+  if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 0);
+  for (int i = threadIdx.x; sends && i < num_tokens * num_topk; i += blockDim.x) {
     expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
                                                         i / num_topk, i % num_topk, args.num_experts));
   }
@@ -353,21 +358,32 @@ __global__ void __launch_bounds__(kLowLatencySendThreads, 1)
   scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
   if constexpr (kScaleout) transport.init(group);
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
-  if (low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, Operation::kLlDispatch,
-                              args.rank_mask)) {
-    clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
-    send_rounds<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round, transport, group);
-    // Every source this CTA put may be rewritten by the next operation on this area.
-    if constexpr (kScaleout) transport.flush(group);
+  const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
+                                                     Operation::kLlDispatch, args.rank_mask);
+  if (open) clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
+  // After a timeout the CTA still takes its rounds (claimed ones are nobody else's) but sends nothing.
+  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+    if (open) {
+      send_round<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round,
+                                     low_latency::send_round(round, experts_per_round), transport, group);
+    }
   }
-  int32_t* counter =
-      view.local<int32_t>(WorkspaceLayout::scratch_offset + int64_t{kLowLatencySendScratchIndex + args.area} * 4);
-  if (low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, counter, args.rank_mask) && kUseFp8) {
+  // Every source this CTA put may be rewritten by the next operation on this area.
+  if constexpr (kScaleout) {
+    if (open) transport.flush(group);
+  }
+  if (low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, args.rank_mask) && kUseFp8) {
     // Every CTA is done with the staging rows: their flags back to 0 for the next send on this area.
     int32_t* flags = view.local<int32_t>(args.area_offset + layout.staging_flags_offset);
     for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
   }
-  clock_phase(view, ClockedKernel::kLlDispatchSend, 5);
+  if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 5);
+}
+
+template <bool kUseFp8, bool kScaleout>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
+    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
+  send_phase<kUseFp8, kScaleout, false>(args, experts_per_round);
 }
 
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
@@ -404,8 +420,13 @@ __device__ __forceinline__ void store_scales(const LowLatencyDispatchArgs& args,
 // and resets the cell (the source writes it again only after this rank's next operation on the
 // area has started, which is after this kernel). Warp 0 then turns the counts into each source's
 // first output row, and the warps copy the rows out of the window when recv_x is given (compact
-// rows; the source of output row r is the last s whose first row is <= r).
-__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
+// rows; the source of output row r is the last s whose first row is <= r). The rows were written
+// while this kernel ran (by peers, and in the one-kernel dispatch by this grid): loads through L2.
+// Last, the area's epoch is bumped: by CTA 0 in the receive kernel (stream-ordered after the
+// send), by the grid's last CTA to finish in the one-kernel dispatch (`kFused`), since every CTA
+// reads the epoch when it starts.
+template <bool kFused>
+__device__ __forceinline__ void receive_phase(const LowLatencyDispatchArgs& args) {
   __shared__ int first_row[kMaxRanks + 1];  // exclusive prefix of the counts over sources; [R] = total
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
@@ -414,7 +435,8 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const bool compact = args.recv_x != nullptr;
-  clock_phase(view, ClockedKernel::kLlDispatchRecv, 0);
+  const bool receives = static_cast<int>(blockIdx.x) < layout.num_local_experts;
+  if (receives) clock_phase(view, ClockedKernel::kLlDispatchRecv, 0);
   const long long start = clock64();
   for (int local = blockIdx.x; local < layout.num_local_experts; local += gridDim.x) {
     for (int source = threadIdx.x; source < num_ranks; source += blockDim.x) {
@@ -510,14 +532,33 @@ __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kerne
         }
         if (!compact) continue;
         auto* dst = static_cast<int4*>(args.recv_x) + (local * expert_rows + out_row) * num_vectors;
-        low_latency::warp_copy_row<8>(dst, payload + slot * num_vectors, num_vectors, lane);
+        low_latency::warp_copy_row<8, true>(dst, payload + slot * num_vectors, num_vectors, lane);
         if (args.use_fp8) store_scales(args, scales + slot * (args.hidden / kFp8GroupSize), local, out_row, lane);
       }
     }
     __syncthreads();  // first_row is rewritten for the next local expert
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
-  clock_phase(view, ClockedKernel::kLlDispatchRecv, 2);
+  if constexpr (kFused) {
+    if (low_latency::last_to_finish(view, args.area)) {
+      if (threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
+    }
+  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+    low_latency::bump_epoch(view, args.layout, args.area_offset);
+  }
+  if (receives) clock_phase(view, ClockedKernel::kLlDispatchRecv, 2);
+}
+
+__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
+  receive_phase<false>(args);
+}
+
+// One kernel per operation (no receive hook): the send phase with claimed rounds, then the receive.
+template <bool kUseFp8, bool kScaleout>
+__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
+    dispatch_fused_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
+  static_assert(kLowLatencySendThreads == kLowLatencyRecvThreads, "one block size for both phases");
+  send_phase<kUseFp8, kScaleout, true>(args, experts_per_round);
+  receive_phase<true>(args);
 }
 
 void check_args(const LowLatencyDispatchArgs& args) {
@@ -546,16 +587,96 @@ void check_args(const LowLatencyDispatchArgs& args) {
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
-// Room for the kernel's static shared memory: 1 KiB, plus the transport queue across nodes.
-int max_dynamic_shared_bytes(bool scaleout) {
-  static const int bytes = [] {
+// A kernel's static shared memory and the dynamic shared memory it may take beside it (the
+// device's opt-in limit per block minus the static part), looked up once.
+struct SharedMemory {
+  int static_bytes = 0;
+  int dynamic_budget = 0;
+};
+template <auto kKernel>
+SharedMemory shared_memory_of() {
+  static const SharedMemory memory = [] {
     int device = 0;
-    int value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    return value - 1024;
+    int optin = 0;
+    EP_CUDA_CHECK(cudaGetDevice(&device));
+    EP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes attributes{};
+    EP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kKernel));
+    const int static_bytes = static_cast<int>(attributes.sharedSizeBytes);
+    return SharedMemory{static_bytes, optin - static_bytes};
   }();
-  return scaleout ? bytes - static_cast<int>(sizeof(scaleout::DeferredQueue)) : bytes;
+  return memory;
+}
+
+// Dynamic shared memory of a send phase: the routing ([T * K] int16 expert ids), then one token
+// list of T int32 per expert of a round. The largest call the buffer takes needs worst_send_bytes.
+int64_t routing_bytes(int64_t tokens, int64_t topk) { return align_up(tokens * topk * 2, 16); }
+int64_t worst_send_bytes(const LowLatencyLayout& layout) {
+  return routing_bytes(layout.num_max_tokens, layout.num_topk) + layout.num_max_tokens * 4;
+}
+
+// Launches a kernel with a send phase (the send kernel or the one-kernel dispatch): as many experts
+// per round as the shared memory left after the routing holds lists for, up to one per warp.
+template <auto kKernel>
+void launch_with_send_phase(const LowLatencyDispatchArgs& args, int grid, cudaStream_t stream) {
+  const SharedMemory memory = shared_memory_of<kKernel>();
+  const int64_t list_bytes = int64_t{args.num_tokens} * 4;
+  const int64_t ids_bytes = routing_bytes(args.num_tokens, args.num_topk);
+  const int experts_per_round =
+      list_bytes == 0
+          ? kSendWarps
+          : static_cast<int>(std::min<int64_t>(kSendWarps, (memory.dynamic_budget - ids_bytes) / list_bytes));
+  const int64_t shared_bytes = ids_bytes + experts_per_round * list_bytes;
+  if (shared_bytes + memory.static_bytes > kDefaultDynamicSharedBytes) {
+    EP_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(shared_bytes)));
+  }
+  kKernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
+}
+
+// What a dispatch launcher runs: the send kernel, the receive kernel, or both phases (in one kernel
+// when the buffer's largest call fits the one-kernel dispatch's shared memory, else the two kernels).
+enum class Phases { kSend, kReceive, kBoth };
+
+template <bool kUseFp8, bool kScaleout>
+void launch_dispatch(const LowLatencyDispatchArgs& args, Phases phases, cudaStream_t stream) {
+  constexpr auto send_kernel = dispatch_send_kernel<kUseFp8, kScaleout>;
+  constexpr auto fused_kernel = dispatch_fused_kernel<kUseFp8, kScaleout>;
+  const int send_grid = std::clamp(args.num_sms, 1, args.num_experts);
+  const int recv_grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
+  // Decided from the buffer's sizing, not from this call's T: every rank must fail (or fall back to
+  // two kernels) alike, or the ranks that launched would wait for one that did not.
+  const int64_t worst = worst_send_bytes(args.layout);
+  if (phases != Phases::kReceive) {
+    const int64_t budget = shared_memory_of<send_kernel>().dynamic_budget;
+    EP_REQUIRE(worst <= budget, "low-latency dispatch of num_max_dispatch_tokens_per_rank=" +
+                                    std::to_string(args.layout.num_max_tokens) + " tokens x top-" +
+                                    std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
+                                    std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
+  }
+  if (phases == Phases::kBoth && worst <= shared_memory_of<fused_kernel>().dynamic_budget) {
+    launch_with_send_phase<fused_kernel>(args, send_grid, stream);
+    EP_CHECK_LAUNCH("low_latency_dispatch");
+    return;
+  }
+  if (phases != Phases::kReceive) {
+    launch_with_send_phase<send_kernel>(args, send_grid, stream);
+    EP_CHECK_LAUNCH("low_latency_dispatch_send");
+  }
+  if (phases != Phases::kSend) {
+    dispatch_recv_kernel<<<recv_grid, kLowLatencyRecvThreads, 0, stream>>>(args);
+    EP_CHECK_LAUNCH("low_latency_dispatch_recv");
+  }
+}
+
+void launch(const LowLatencyDispatchArgs& args, Phases phases, cudaStream_t stream) {
+  check_args(args);
+  if (args.view.ll_ranks_per_node > 0) {
+    args.use_fp8 ? launch_dispatch<true, true>(args, phases, stream) : launch_dispatch<false, true>(args, phases, stream);
+  } else {
+    args.use_fp8 ? launch_dispatch<true, false>(args, phases, stream)
+                 : launch_dispatch<false, false>(args, phases, stream);
+  }
 }
 
 }  // namespace
@@ -578,39 +699,15 @@ void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int n
 }
 
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  check_args(args);
-  const auto ids_bytes = [](int64_t tokens, int64_t topk) { return align_up(tokens * topk * 2, 16); };
-  const bool scaleout = args.view.ll_ranks_per_node > 0;
-  const int64_t budget = max_dynamic_shared_bytes(scaleout);
-  // Decided from the buffer's sizing, not from this call's T: every rank must fail alike, or the
-  // ranks that launched would wait for the one that did not.
-  const int64_t worst = ids_bytes(args.layout.num_max_tokens, args.layout.num_topk) + args.layout.num_max_tokens * 4;
-  EP_REQUIRE(worst <= budget,
-             "low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(args.layout.num_max_tokens) +
-                 " tokens x top-" + std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
-                 std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
-  const int64_t list_bytes = int64_t{args.num_tokens} * 4;
-  const int64_t routing_bytes = ids_bytes(args.num_tokens, args.num_topk);
-  const int experts_per_round =
-      list_bytes == 0 ? kSendWarps
-                      : static_cast<int>(std::min<int64_t>(kSendWarps, (budget - routing_bytes) / list_bytes));
-  const int64_t shared_bytes = routing_bytes + experts_per_round * list_bytes;
-  const auto kernel = scaleout
-                          ? (args.use_fp8 ? dispatch_send_kernel<true, true> : dispatch_send_kernel<false, true>)
-                          : (args.use_fp8 ? dispatch_send_kernel<true, false> : dispatch_send_kernel<false, false>);
-  if (shared_bytes > kDefaultDynamicSharedBytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-  }
-  const int grid = std::clamp(args.num_sms, 1, args.num_experts);
-  kernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
-  EP_CHECK_LAUNCH("low_latency_dispatch_send");
+  launch(args, Phases::kSend, stream);
 }
 
 void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  check_args(args);
-  const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
-  dispatch_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("low_latency_dispatch_recv");
+  launch(args, Phases::kReceive, stream);
+}
+
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
+  launch(args, Phases::kBoth, stream);
 }
 
 void preload_low_latency_dispatch_kernels() {
@@ -619,6 +716,10 @@ void preload_low_latency_dispatch_kernels() {
   preload_kernel(dispatch_send_kernel<true, true>, "ll dispatch send across nodes (fp8)");
   preload_kernel(dispatch_send_kernel<false, true>, "ll dispatch send across nodes (bf16)");
   preload_kernel(dispatch_recv_kernel, "ll dispatch receive");
+  preload_kernel(dispatch_fused_kernel<true, false>, "ll dispatch in one kernel (fp8)");
+  preload_kernel(dispatch_fused_kernel<false, false>, "ll dispatch in one kernel (bf16)");
+  preload_kernel(dispatch_fused_kernel<true, true>, "ll dispatch in one kernel across nodes (fp8)");
+  preload_kernel(dispatch_fused_kernel<false, true>, "ll dispatch in one kernel across nodes (bf16)");
 }
 
 }  // namespace deep_ep

@@ -149,11 +149,12 @@ void register_low_latency(py::module_& m) {
     };
   };
 
-  // Send phase (x, topk_idx read) and receive phase (recv_count, count_per_source and the row
-  // outputs written) of one LL dispatch; both take the same arguments. recv_x = 0: per-source rows
-  // stay in the window; scales_format: LowLatencyScales.
+  // Send phase (x, topk_idx read), receive phase (recv_count, count_per_source and the row outputs
+  // written) and both in one launch (no hook) of one LL dispatch; all take the same arguments.
+  // recv_x = 0: per-source rows stay in the window; scales_format: LowLatencyScales.
   for (const auto& [name, launch] : {std::pair{"low_latency_dispatch_send", &launch_low_latency_dispatch_send},
-                                     std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv}}) {
+                                     std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv},
+                                     std::pair{"low_latency_dispatch", &launch_low_latency_dispatch}}) {
     m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("area"), py::arg("x"), py::arg("topk_idx"),
           py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
@@ -162,10 +163,11 @@ void register_low_latency(py::module_& m) {
           py::arg("scales_format") = 0, py::arg("recv_src_info") = 0, py::arg("recv_layout_range") = 0,
           py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0, py::arg("rank_mask") = 0);
   }
-  // Send phase (x, count_per_source read) and receive phase (out written from topk_idx/weights)
-  // of one LL combine.
+  // Send phase (x, count_per_source read), receive phase (out written from topk_idx/weights) and
+  // both in one launch (no hook) of one LL combine.
   for (const auto& [name, launch] : {std::pair{"low_latency_combine_send", &launch_low_latency_combine_send},
-                                     std::pair{"low_latency_combine_recv", &launch_low_latency_combine_recv}}) {
+                                     std::pair{"low_latency_combine_recv", &launch_low_latency_combine_recv},
+                                     std::pair{"low_latency_combine", &launch_low_latency_combine}}) {
     m.def(name, combine(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
           py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_area"), py::arg("area"), py::arg("x"),
           py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),

@@ -634,6 +634,57 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
+# The kernels one LL operation may launch (names in the profiler's CUDA events).
+LL_KERNELS = (
+    "dispatch_fused_kernel",
+    "dispatch_send_kernel",
+    "dispatch_recv_kernel",
+    "combine_fused_kernel",
+    "combine_send_kernel",
+    "combine_recv_kernel",
+)
+ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
+TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
+# A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
+# fits the send kernel's shared memory on an H200 (227 KiB per block, about 232,200 bytes beside the
+# kernel's own) but not the one-kernel dispatch's (about 228,200 beside the receive phase's 4 KiB).
+TOO_LARGE_FOR_ONE_KERNEL = BufferSpec("T11500_H128", 11_500, 128, 64, 8)
+
+
+def _launched_kernels(run: Any) -> list[str]:
+    """The LL kernels ``run`` launched, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = sorted(
+        (event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda event: event.time_range.start,
+    )
+    return [name for event in events for name in LL_KERNELS if name in event.name]
+
+
+def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, expected_direct: list[str]) -> list[str]:
+    """Direct and async dispatch + combine launch ``expected_direct``, hook mode the four phase
+    kernels; every round trip matches the reference."""
+    failures = []
+    num_topk = spec.topk(num_ranks)
+    for mode, wanted in (("direct", expected_direct), ("async", expected_direct), ("hook", TWO_KERNELS_EACH)):
+        inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, True, 300)
+        observed: list[Observed] = []
+
+        def round_trip(m: str = mode, i: Inputs = inputs, into: list[Observed] = observed) -> None:
+            into.append(_round_trip(buffer, spec, i, True, m))
+
+        launched = _launched_kernels(round_trip)
+        if launched != wanted:
+            failures.append(f"{spec.name} {mode}: launched {launched}, expected {wanted}")
+        failures += _compare(f"{spec.name} {mode} (launch count)", observed[0], expected, True)
+    return failures
+
+
 def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
     results: dict[str, Any] = {}
     for spec, cases in SPECS:
@@ -653,9 +704,19 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
                 results["stats"] = _stats(buffer, rank, num_ranks, spec)
                 results["skew"] = _skew(buffer, rank, num_ranks, spec)
                 results["interleave"] = _interleave_with_high_throughput(buffer, rank, num_ranks, spec)
+                results["launches"] = _launches(buffer, rank, num_ranks, spec, ONE_KERNEL_EACH)
         finally:
             buffer.destroy()
         torch.cuda.empty_cache()
+    buffer = _make_buffer(group, TOO_LARGE_FOR_ONE_KERNEL, num_ranks)
+    try:
+        # The combine has no shared memory to outgrow: it stays one kernel.
+        two_kernel_dispatch = [*TWO_KERNELS_EACH[:2], "combine_fused_kernel"]
+        results["fallback"] = _launches(buffer, rank, num_ranks, TOO_LARGE_FOR_ONE_KERNEL, two_kernel_dispatch)
+        results["dirty_workspace_bytes"]["fallback"] = buffer._debug_count_dirty_workspace_bytes()
+    finally:
+        buffer.destroy()
+    torch.cuda.empty_cache()
     return results
 
 
@@ -692,6 +753,20 @@ def test_workspace_scratch_is_zero_after_low_latency_operations(ll_results: list
     for rank, result in enumerate(ll_results):
         dirty = result["dirty_workspace_bytes"]
         assert all(count == 0 for count in dirty.values()), (rank, dirty)
+
+
+def test_an_operation_without_hook_is_one_kernel_launch(ll_results: list[dict]) -> None:
+    """Direct and async: one kernel per dispatch and per combine; hook mode: send and receive
+    kernels. Results match the reference either way."""
+    failures = _all_failures(ll_results, "launches")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_buffer_too_large_for_one_kernel_runs_two_kernels_with_the_same_results(ll_results: list[dict]) -> None:
+    """When the buffer's largest dispatch does not fit the one-kernel dispatch's shared memory, a
+    dispatch without hook runs the send and receive kernels, and the results still match."""
+    failures = _all_failures(ll_results, "fallback")
+    assert not failures, "\n".join(failures)
 
 
 def test_cuda_graph_replays_match_reference(ll_results: list[dict]) -> None:
