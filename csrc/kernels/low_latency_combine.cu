@@ -403,9 +403,9 @@ void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStre
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   check_args(args);
   // As many CTAs as the larger phase uses: the send's units or the receive's reducing CTAs.
-  const int grid = std::clamp(args.num_sms, 1,
-                              std::max(args.layout.num_local_experts * args.view.num_ranks,
-                                       reduce_ctas(args.num_tokens, args.hidden)));
+  const int grid = std::clamp(
+      args.num_sms, 1,
+      std::max(args.layout.num_local_experts * args.view.num_ranks, reduce_ctas(args.num_tokens, args.hidden)));
   if (args.view.ll_ranks_per_node > 0) {
     combine_fused_kernel<true><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
   } else {

@@ -282,8 +282,7 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
     __shared__ int signal_expert[kSendWarps];
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);
-      signal_expert[threadIdx.x] = expert < args.num_experts &&
-                                   low_latency::via_transport(view, expert / num_local) &&
+      signal_expert[threadIdx.x] = expert < args.num_experts && low_latency::via_transport(view, expert / num_local) &&
                                    !peer_masked(args.rank_mask, expert / num_local);
     }
     __syncthreads();
@@ -292,8 +291,7 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
       const int expert = expert_of(j);
       const int dest = expert / num_local;
       const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
-      transport.put(dest,
-                    args.area_offset + layout.dispatch_headers_offset + first_row * kLowLatencyMessageHeaderBytes,
+      transport.put(dest, args.area_offset + layout.dispatch_headers_offset + first_row * kLowLatencyMessageHeaderBytes,
                     args.area_offset + layout.staging_headers_offset +
                         int64_t{expert} * layout.num_max_tokens * kLowLatencyMessageHeaderBytes,
                     int64_t{list_sizes[j]} * kLowLatencyMessageHeaderBytes);
@@ -315,9 +313,9 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
       // before the count, which a strong store after it releases (a release store would fence a
       // second time); the receiver's acquire of the count then covers them.
       ptx::fence_acq_rel_sys();
-      ptx::st_relaxed_sys(low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset,
-                                                    expert % num_local, view.rank),
-                          low_latency::arrival_value(list_sizes[threadIdx.x], args.input_failed));
+      ptx::st_relaxed_sys(
+          low_latency::arrival_cell(view, expert / num_local, layout, args.area_offset, expert % num_local, view.rank),
+          low_latency::arrival_value(list_sizes[threadIdx.x], args.input_failed));
     }
   }
   __syncthreads();  // lists and list_sizes are rewritten by the next round
@@ -628,8 +626,8 @@ void launch_with_send_phase(const LowLatencyDispatchArgs& args, int grid, cudaSt
           : static_cast<int>(std::min<int64_t>(kSendWarps, (memory.dynamic_budget - ids_bytes) / list_bytes));
   const int64_t shared_bytes = ids_bytes + experts_per_round * list_bytes;
   if (shared_bytes + memory.static_bytes > kDefaultDynamicSharedBytes) {
-    EP_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(shared_bytes)));
+    EP_CUDA_CHECK(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
   }
   kKernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
 }
@@ -672,7 +670,8 @@ void launch_dispatch(const LowLatencyDispatchArgs& args, Phases phases, cudaStre
 void launch(const LowLatencyDispatchArgs& args, Phases phases, cudaStream_t stream) {
   check_args(args);
   if (args.view.ll_ranks_per_node > 0) {
-    args.use_fp8 ? launch_dispatch<true, true>(args, phases, stream) : launch_dispatch<false, true>(args, phases, stream);
+    args.use_fp8 ? launch_dispatch<true, true>(args, phases, stream)
+                 : launch_dispatch<false, true>(args, phases, stream);
   } else {
     args.use_fp8 ? launch_dispatch<true, false>(args, phases, stream)
                  : launch_dispatch<false, false>(args, phases, stream);
