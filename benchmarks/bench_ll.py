@@ -57,6 +57,7 @@ from bench_common import (
 
 import deep_ep
 from deep_ep import _C
+from deep_ep.low_latency import KERNEL_NAMES
 from deep_ep.testing.data import make_routing, make_tokens, make_weights
 
 HIDDEN = 7168
@@ -65,15 +66,7 @@ OPERATIONS = ("dispatch", "combine")
 LAYERS = 3  # pairs per decode-step chain: 6 operations, a multiple of the 3 LL areas
 LAYER_KINDS = ("rotating", "reusing")
 MODES = ("eager", "graph", "send", "recv")
-# An operation without hook is one kernel (fused); with a hook, a send and a receive kernel.
-KERNELS = (
-    "dispatch_fused_kernel",
-    "dispatch_send_kernel",
-    "dispatch_recv_kernel",
-    "combine_fused_kernel",
-    "combine_send_kernel",
-    "combine_recv_kernel",
-)
+KERNELS = KERNEL_NAMES  # one per operation without hook (fused), send + receive with a hook
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,6 +39,16 @@ MAX_OUTSTANDING = 2
 # A dispatch's data (headers included) is released once the second LL operation after it has sent,
 # so the combine answering it must be at most that one.
 MAX_COMBINE_DISTANCE = 2
+# The kernels of LL operations, as profilers name them (substrings of the mangled names): without a
+# receive hook one kernel per operation, with a hook a send and a receive kernel.
+KERNEL_NAMES = (
+    "dispatch_fused_kernel",
+    "dispatch_send_kernel",
+    "dispatch_recv_kernel",
+    "combine_fused_kernel",
+    "combine_send_kernel",
+    "combine_recv_kernel",
+)
 # Receive phases launched into CUDA need 16-byte aligned rows.
 _ROW_ALIGNMENT = 16
 

@@ -26,6 +26,7 @@ from rank_results import capture, guarded, launch_once
 
 import deep_ep
 from deep_ep.fp8 import pack_ue8m0
+from deep_ep.low_latency import KERNEL_NAMES
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_valid_row_mask
 
@@ -634,15 +635,6 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
-# The kernels one LL operation may launch (names in the profiler's CUDA events).
-LL_KERNELS = (
-    "dispatch_fused_kernel",
-    "dispatch_send_kernel",
-    "dispatch_recv_kernel",
-    "combine_fused_kernel",
-    "combine_send_kernel",
-    "combine_recv_kernel",
-)
 ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
 TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
 # A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
@@ -663,7 +655,7 @@ def _launched_kernels(run: Any) -> list[str]:
         (event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda event: event.time_range.start,
     )
-    return [name for event in events for name in LL_KERNELS if name in event.name]
+    return [name for event in events for name in KERNEL_NAMES if name in event.name]
 
 
 def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, expected_direct: list[str]) -> list[str]:
