@@ -1,9 +1,9 @@
 """LowLatencyMixin: ElasticBuffer's low-latency (decode) dispatch and combine (DeepEP V1 API).
 
-Every LL operation is a send phase and a receive phase (two kernels). Without a hook both run on
+Every LL operation is a send phase and a receive phase. Without a hook both run in one kernel on
 the caller's stream (``async_finish``: on the communication stream, with an event returned); with
-``return_recv_hook=True`` only the send runs and the returned hook launches the receive later, so
-no SM waits while the data is in flight. No call synchronises with the host, so the whole path can
+``return_recv_hook=True`` only the send kernel runs and the returned hook launches the receive
+kernel later, so no SM waits while the data is in flight. No call synchronises with the host, so the whole path can
 be captured in a CUDA graph.
 
 The LL region has three areas used in rotation (operation n uses area n % 3), so a send phase
