@@ -3,8 +3,8 @@
 Every LL operation is a send phase and a receive phase. Without a hook both run in one kernel on
 the caller's stream (``async_finish``: on the communication stream, with an event returned); with
 ``return_recv_hook=True`` only the send kernel runs and the returned hook launches the receive
-kernel later, so no SM waits while the data is in flight. No call synchronises with the host, so the whole path can
-be captured in a CUDA graph.
+kernel later, so no SM waits while the data is in flight. No call synchronises with the host, so
+the whole path can be captured in a CUDA graph.
 
 The LL region has three areas used in rotation (operation n uses area n % 3), so a send phase
 finds the area it writes already released by every peer (docs/low_latency.md). By default
