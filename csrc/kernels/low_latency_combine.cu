@@ -64,11 +64,13 @@ __device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scale
       staging, row_bytes);
 }
 
-// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
-// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
-// low_latency::next_send_round says why).
-template <bool kScaleout, bool kClaimed>
-__device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
+// One round of the send phase (after the area gate): the units round.base + j * round.stride
+// (j < kUnitsPerRound), unit = l * R + s: source-fastest, so neighbouring CTAs write to different
+// ranks. A unit has few rows (about T * K / E), so the rows of a whole round are spread over the
+// warps together.
+template <bool kScaleout>
+__device__ __forceinline__ void send_round(const LowLatencyCombineArgs& args, low_latency::SendRound units,
+                                           scaleout::Transport& transport, const scaleout::WarpGroup& group) {
   __shared__ int unit_counts[kUnitsPerRound];
   __shared__ int64_t unit_first_x_row[kUnitsPerRound];
   __shared__ int unit_via_transport[kUnitsPerRound];
@@ -79,124 +81,116 @@ __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int num_units = layout.num_local_experts * num_ranks;
-
-  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
-  int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
-  const int num_rounds = low_latency::num_send_rounds(num_units, kUnitsPerRound);
-  int round = low_latency::next_send_round<kClaimed>(claims, -1);
-  // A CTA without a round (a one-kernel combine whose other CTAs took them all) neither gates nor
-  // stamps: only the CTAs that send leave send stamps.
-  const bool sends = round < num_rounds;
-  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 0);
-  // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
-  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
-  scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
-  if constexpr (kScaleout) transport.init(group);
-  const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
-                                                     Operation::kLlCombine, args.rank_mask);
-  if (open) clock_phase(view, ClockedKernel::kLlCombineSend, 1);
   const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
   const auto* rows = static_cast<const int4*>(args.x);
-  // Round q takes units base + j * stride (j < kUnitsPerRound), unit = l * R + s: source-fastest,
-  // so neighbouring CTAs write to different ranks. A unit has few rows (about T * K / E), so the
-  // rows of a whole round are spread over the warps together. After a timeout the CTA still takes
-  // its rounds (claimed ones are nobody else's) but sends nothing.
-  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
-    if (!open) continue;
-    const low_latency::SendRound units = low_latency::send_round(round, kUnitsPerRound);
-    const auto unit_of = [&](int j) { return units.base + j * units.stride; };
-    if (threadIdx.x < kUnitsPerRound) {
-      const int unit = unit_of(threadIdx.x);
-      // Clamped so that a corrupted count can never address past the slots. Without the handle's
-      // counts (a failed input with no usable handle) this rank sends no row.
-      // A masked source rank gets no row (and no arrival cell, below).
-      unit_counts[threadIdx.x] =
-          unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
-              ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
-              : 0;
-      // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
-      // (first row from its layout range, clamped inside the expert's rows like the count).
-      int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
-      if (unit < num_units && args.layout_range != nullptr) {
-        const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
-        const int64_t begin =
-            std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
-        first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
-      }
-      unit_first_x_row[threadIdx.x] = first_x_row;
-      // Decided once per round: a mask may change meanwhile, and every thread must take part in
-      // the same signals.
-      unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
-                                        low_latency::via_transport(view, unit % num_ranks) &&
-                                        !peer_masked(args.rank_mask, unit % num_ranks);
+  const auto unit_of = [&](int j) { return units.base + j * units.stride; };
+  if (threadIdx.x < kUnitsPerRound) {
+    const int unit = unit_of(threadIdx.x);
+    // Clamped so that a corrupted count can never address past the slots. Without the handle's
+    // counts (a failed input with no usable handle) this rank sends no row.
+    // A masked source rank gets no row (and no arrival cell, below).
+    unit_counts[threadIdx.x] =
+        unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
+            ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+            : 0;
+    // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
+    // (first row from its layout range, clamped inside the expert's rows like the count).
+    int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
+    if (unit < num_units && args.layout_range != nullptr) {
+      const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
+      const int64_t begin =
+          std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+      first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
     }
-    __syncthreads();
-
-    int rows_before = 0;
-    for (int j = 0; j < kUnitsPerRound; ++j) {
-      const int unit = unit_of(j);
-      if (unit >= num_units) break;
-      const int count = unit_counts[j];
-      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
-      const int64_t first_x_row = unit_first_x_row[j];
-      int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
-      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
-        const int64_t row = first_row + i;
-        const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
-        const int token = header.x;
-        const int slot = header.y;
-        if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
-        // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
-        if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
-          put_row(args, transport, unit % num_ranks, row,
-                  rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
-          continue;
-        }
-        int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
-        if (rows == nullptr) {
-          // This rank's input failed: its expert outputs count as zero, not as stale slot data.
-          for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
-        } else {
-          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
-        }
-      }
-      rows_before += count;
-    }
-    __syncthreads();
-    clock_phase(view, ClockedKernel::kLlCombineSend, 2);
-
-    if constexpr (kScaleout) {
-      // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
-      transport.signal_each(group, kUnitsPerRound, [&](int j) {
-        if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
-        const int unit = unit_of(j);
-        const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
-                             (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
-        return scaleout::SignalItem{unit % num_ranks,
-                                    low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
-      });
-    }
-    if (threadIdx.x < kUnitsPerRound) {
-      const int unit = unit_of(threadIdx.x);
-      if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
-          !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
-        // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
-        // cell, which a strong store after the fence releases (no second fence).
-        ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(
-            low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
-            low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
-      }
-    }
-    __syncthreads();  // unit_counts is rewritten by the next round
-    clock_phase(view, ClockedKernel::kLlCombineSend, 3);
+    unit_first_x_row[threadIdx.x] = first_x_row;
+    // Decided once per round: a mask may change meanwhile, and every thread must take part in
+    // the same signals.
+    unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
+                                      low_latency::via_transport(view, unit % num_ranks) &&
+                                      !peer_masked(args.rank_mask, unit % num_ranks);
   }
-  // Every source this CTA put may be rewritten by the next operation.
+  __syncthreads();
+
+  int rows_before = 0;
+  for (int j = 0; j < kUnitsPerRound; ++j) {
+    const int unit = unit_of(j);
+    if (unit >= num_units) break;
+    const int count = unit_counts[j];
+    const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
+    const int64_t first_x_row = unit_first_x_row[j];
+    int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
+    for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+      const int64_t row = first_row + i;
+      const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
+      const int token = header.x;
+      const int slot = header.y;
+      if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+      // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
+      if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
+        put_row(args, transport, unit % num_ranks, row,
+                rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
+        continue;
+      }
+      int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
+      if (rows == nullptr) {
+        // This rank's input failed: its expert outputs count as zero, not as stale slot data.
+        for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
+      } else {
+        low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
+      }
+    }
+    rows_before += count;
+  }
+  __syncthreads();
+  clock_phase(view, ClockedKernel::kLlCombineSend, 2);
+
   if constexpr (kScaleout) {
-    if (open) transport.flush(group);
+    // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
+    transport.signal_each(group, kUnitsPerRound, [&](int j) {
+      if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
+      const int unit = unit_of(j);
+      const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
+                           (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
+      return scaleout::SignalItem{unit % num_ranks,
+                                  low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
+    });
   }
-  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, args.rank_mask);
-  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 4);
+  if (threadIdx.x < kUnitsPerRound) {
+    const int unit = unit_of(threadIdx.x);
+    if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
+        !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
+      // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
+      // cell, which a strong store after the fence releases (no second fence).
+      ptx::fence_acq_rel_sys();
+      ptx::st_relaxed_sys(
+          low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
+          low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
+    }
+  }
+  __syncthreads();  // unit_counts is rewritten by the next round
+  clock_phase(view, ClockedKernel::kLlCombineSend, 3);
+}
+
+// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
+// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
+// low_latency::next_send_round says why).
+template <bool kScaleout, bool kClaimed>
+__device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
+  const int num_units = args.layout.num_local_experts * args.view.num_ranks;
+  const low_latency::SendPhase phase{args.ll_offset,
+                                     args.area,
+                                     args.area_offset,
+                                     low_latency::num_send_rounds(num_units, kUnitsPerRound),
+                                     Operation::kLlCombine,
+                                     ClockedKernel::kLlCombineSend,
+                                     4,
+                                     args.rank_mask};
+  low_latency::run_send_phase<kClaimed, kScaleout>(
+      args.view, args.layout, phase, [] {},
+      [&](int round, scaleout::Transport& transport, const scaleout::WarpGroup& group) {
+        send_round<kScaleout>(args, low_latency::send_round(round, kUnitsPerRound), transport, group);
+      },
+      [] {});
 }
 
 template <bool kScaleout>
@@ -222,11 +216,143 @@ __host__ __device__ __forceinline__ int reduce_ctas(int num_tokens, int hidden) 
   return static_cast<int>(num_items > kRecvWarps ? (num_items + kRecvWarps - 1) / kRecvWarps : 1);
 }
 
-// The receive phase. Every CTA that sums rows (all of the receive kernel's, the first reduce_ctas
-// of the one-kernel combine's, `kFused`) waits for all L * R arrival cells (a token may have rows
-// from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to finish
-// its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen every
-// cell and read the epoch. Then the warps reduce the K slots of each token.
+// Waits for arrival cell (local expert l, source) of this combine: the cell in this rank's area,
+// or across nodes the (area, l, source) signal past its shadow (advanced by finish_receive).
+// `*failed_input`: the source's input failed (the flag rode on the arrival).
+__device__ __forceinline__ WaitResult wait_arrival(const LowLatencyCombineArgs& args, int local_expert, int source,
+                                                   bool* failed_input) {
+  const DeviceView& view = args.view;
+  if (low_latency::via_transport(view, source)) {
+    const int id = low_latency::arrival_signal(view, args.area, local_expert, source);
+    int64_t delta = 0;
+    const WaitResult result =
+        low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, id,
+                                         *scaleout::shadow_cell(view, id), &delta);
+    *failed_input = result == WaitResult::kArrived && delta >= kFailedInputSignalFlag;
+    return result;
+  }
+  const int32_t* cell = low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local_expert, source);
+  int32_t value = 0;
+  const WaitResult result =
+      wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
+        value = ptx::ld_acquire_sys(cell);
+        seen = value;
+        return value != 0;
+      });
+  *failed_input = result == WaitResult::kArrived && value >= kFailedInputSignalFlag;
+  return result;
+}
+
+// The receive phase's last act, by the grid's last CTA (every other CTA is done with the cells):
+// waits for every cell nobody waited for (a cell must not be reset before it arrives, or its late
+// arrival would be taken for the next operation's), records the sources whose input failed, sets
+// the cells back to 0 (across nodes: advances the shadows) and bumps the area's epoch — unless a
+// wait failed (recorded: the host raises, and the buffer is not used for LL again).
+__device__ __forceinline__ void finish_receive(const LowLatencyCombineArgs& args) {
+  __shared__ int failed;
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  const int num_cells = args.layout.num_local_experts * num_ranks;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+    const int local_expert = cell_index / num_ranks;
+    const int source = cell_index % num_ranks;
+    bool failed_input = false;
+    const WaitResult result = wait_arrival(args, local_expert, source, &failed_input);
+    if (result == WaitResult::kFailed) {
+      atomicExch(&failed, 1);
+      continue;
+    }
+    if (failed_input) record_peer_failed(view, Operation::kLlCombine, source);
+    if (low_latency::via_transport(view, source)) {
+      // The signal holds exactly this operation's addition (the source's next one needs this
+      // rank's release of the area, after this kernel); a masked source's is not consumed.
+      if (result == WaitResult::kArrived) {
+        const int id = low_latency::arrival_signal(view, args.area, local_expert, source);
+        *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
+      }
+      continue;
+    }
+    ptx::st_relaxed_sys(low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local_expert, source),
+                        0);
+  }
+  __syncthreads();
+  if (failed == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
+}
+
+// Sums work item (token, chunk of 32 * kReduceUnroll vectors starting at vector `first` - lane)
+// into `out`; with `wait`, lane k first waits for the arrival of slot k's row. Warp-collective;
+// false (and nothing written) when a wait failed (recorded).
+__device__ __forceinline__ bool sum_item(const LowLatencyCombineArgs& args, int token, int first, bool wait, int lane) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_vectors = args.hidden / 8;
+  const auto* payload = args.view.local<const int4>(args.area_offset + layout.combine_payload_offset);
+  auto* out = static_cast<int4*>(args.out);
+  bool arrived = true;
+  int expert = -1;
+  float weight = 0.0f;
+  if (lane < args.num_topk) {
+    expert =
+        read_expert_id(args.view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
+    weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
+    // A masked rank's experts are absent: their slots hold no row of this operation. Read after
+    // every wait of this CTA, so a rank masked by one of them is left out of every token.
+    if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
+    if (expert >= 0 && wait) {
+      bool failed_input = false;  // recorded by finish_receive
+      arrived = wait_arrival(args, expert % layout.num_local_experts, expert / layout.num_local_experts,
+                             &failed_input) == WaitResult::kArrived;
+    }
+  }
+  if (__any_sync(0xffffffffu, !arrived)) return false;
+  __syncwarp();  // lane k's acquire of its row's arrival happens-before every lane's loads of that row
+  const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
+  const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
+  float acc[kReduceUnroll][8] = {};
+  for (int first_slot = 0; first_slot < args.num_topk; first_slot += kSlotsInFlight) {
+    // All loads of kSlotsInFlight slots are issued before any is used.
+    int4 packed[kSlotsInFlight][kReduceUnroll];
+#pragma unroll
+    for (int j = 0; j < kSlotsInFlight; ++j) {
+      const int k = first_slot + j;
+      if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (first + u * 32 < num_vectors) packed[j][u] = __ldcg(slots + int64_t{k} * num_vectors + u * 32);
+      }
+    }
+    // k ascending, product rounded to fp32 then added: the reference's arithmetic (no FMA).
+#pragma unroll
+    for (int j = 0; j < kSlotsInFlight; ++j) {
+      const int k = first_slot + j;
+      if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+      const float w = __shfl_sync(0xffffffffu, weight, k);
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (first + u * 32 >= num_vectors) continue;
+        const fp8::Channels8 y = fp8::widen_bf16x8(packed[j][u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(w, y.value[i]));
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kReduceUnroll; ++u) {
+    if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
+  }
+  return true;
+}
+
+// The receive phase; the summing CTAs are all of the receive kernel's, the first reduce_ctas of the
+// one-kernel combine's (`kFused`). Each warp sums work items (token, chunk of the row):
+// out[t] = bf16(sum over k ascending of w[t, k] * y_k) in fp32, no FMA. By default a warp waits
+// only for the arrival cells its token's rows come with (lane k: cell (e % L, e / L) of expert
+// e = topk_idx[t, k]), so tokens whose rows landed are summed while other rows are still on the
+// way. With rank masking or wait-cost stats each summing CTA first waits for all L * R cells
+// instead: a rank masked by a timeout is then left out of every token alike, and CTA 0 accounts the
+// wait per source (DeepEP's statistic). Then every CTA counts itself finished; the last one runs
+// finish_receive.
 template <bool kFused>
 __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
@@ -237,126 +363,43 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
+  const bool waits_per_token = args.rank_mask == nullptr && args.wait_cost_stats == nullptr;
 
   if (receives) {
     clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
     const long long start = clock64();
-    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+    for (int cell_index = threadIdx.x; !waits_per_token && cell_index < num_cells; cell_index += blockDim.x) {
       const int source = cell_index % num_ranks;
-      WaitResult result;
-      if (low_latency::via_transport(view, source)) {
-        // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
-        const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
-        int64_t delta = 0;
-        result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive,
-                                                  source, id, *scaleout::shadow_cell(view, id), &delta);
-        if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
-          record_peer_failed(view, Operation::kLlCombine, source);
-        }
-      } else {
-        const int32_t* cell =
-            low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
-        int32_t value = 0;
-        result = wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1,
-                              [&](int64_t& seen) {
-                                value = ptx::ld_acquire_sys(cell);
-                                seen = value;
-                                return value != 0;
-                              });
-        if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
-          record_peer_failed(view, Operation::kLlCombine, source);
-        }
+      bool failed_input = false;
+      if (wait_arrival(args, cell_index / num_ranks, source, &failed_input) == WaitResult::kFailed) {
+        atomicExch(&failed, 1);
       }
-      if (result == WaitResult::kFailed) atomicExch(&failed, 1);
-      // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
       if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
         atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
                   static_cast<unsigned long long>(clock64() - start));
       }
     }
     __syncthreads();
-    clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
+    if (!waits_per_token) clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
     if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
-  }
-
-  if (low_latency::last_to_finish(view, args.area)) {
-    // Every CTA that waits has seen every cell; the senders write them again only after this
-    // rank's next operation on the area has started (after this kernel).
-    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-      const int source = cell_index % num_ranks;
-      if (low_latency::via_transport(view, source)) {
-        // The signal holds exactly this operation's addition (the source's next one needs this
-        // rank's release of the area, after this kernel); a masked source's is not consumed.
-        if (!peer_masked(args.rank_mask, source)) {
-          const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
-          *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
-        }
-        continue;
-      }
-      ptx::st_relaxed_sys(
-          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source), 0);
-    }
-    if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
-  }
-  if (!receives) return;
-
-  const int num_vectors = args.hidden / 8;
-  const int chunk_vectors = 32 * kReduceUnroll;
-  const int chunks_per_token = reduce_chunks_per_token(args.hidden);
-  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
-  const auto* payload = view.local<const int4>(args.area_offset + layout.combine_payload_offset);
-  auto* out = static_cast<int4*>(args.out);
-  for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
-       item += int64_t{gridDim.x} * kRecvWarps) {
-    const int token = static_cast<int>(item / chunks_per_token);
-    const int first = static_cast<int>(item % chunks_per_token) * chunk_vectors + lane;
-    int expert = -1;
-    float weight = 0.0f;
-    if (lane < args.num_topk) {
-      expert = read_expert_id(view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
-      weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
-      // A masked rank's experts are absent: their slots hold no row of this operation. Read after
-      // every wait of this CTA, so a rank masked by one of them is left out of every token.
-      if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
-    }
-    const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
-    const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
-    float acc[kReduceUnroll][8] = {};
-    for (int first_slot = 0; first_slot < args.num_topk; first_slot += kSlotsInFlight) {
-      // All loads of kSlotsInFlight slots are issued before any is used.
-      int4 packed[kSlotsInFlight][kReduceUnroll];
-#pragma unroll
-      for (int j = 0; j < kSlotsInFlight; ++j) {
-        const int k = first_slot + j;
-        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (first + u * 32 < num_vectors) packed[j][u] = __ldcg(slots + int64_t{k} * num_vectors + u * 32);
-        }
-      }
-      // k ascending, product rounded to fp32 then added: the reference's arithmetic (no FMA).
-#pragma unroll
-      for (int j = 0; j < kSlotsInFlight; ++j) {
-        const int k = first_slot + j;
-        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
-        const float w = __shfl_sync(0xffffffffu, weight, k);
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (first + u * 32 >= num_vectors) continue;
-          const fp8::Channels8 y = fp8::widen_bf16x8(packed[j][u]);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(w, y.value[i]));
-        }
+    const int chunks_per_token = reduce_chunks_per_token(args.hidden);
+    const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
+    for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
+         item += int64_t{gridDim.x} * kRecvWarps) {
+      const int first = static_cast<int>(item % chunks_per_token) * 32 * kReduceUnroll + lane;
+      if (!sum_item(args, static_cast<int>(item / chunks_per_token), first, waits_per_token, lane)) {
+        if (lane == 0) atomicExch(&failed, 1);
+        break;  // later waits of this CTA end early: the error is recorded
       }
     }
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
-    }
+    __syncthreads();
+    if (waits_per_token) clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
+    if (failed != 0) return;
+    clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
   }
-  clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
+  if (low_latency::last_to_finish(view, args.area)) finish_receive(args);
 }
 
 __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {

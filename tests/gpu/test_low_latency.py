@@ -7,6 +7,9 @@ torch.cuda.set_sync_debug_mode("error"), so a host synchronisation anywhere in t
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -635,6 +638,72 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
+LATE_CYCLES = 3_000_000_000  # about 1.5 s of GPU time on the late rank, before its combine
+SNAPSHOT_AFTER_SECS = 0.3  # when the other ranks look at their combine's output meanwhile
+
+
+def _routing_around(rank: int, num_ranks: int, spec: BufferSpec, data: Any, seed: int) -> torch.Tensor:
+    """Top-k ids for ``rank``'s tokens: even tokens only select experts of ranks other than the last
+    (the late one), odd tokens also one expert of the last rank."""
+    generator = torch.Generator().manual_seed(seed + rank)
+    num_local = spec.experts(num_ranks) // num_ranks
+    num_topk = spec.topk(num_ranks)
+    early = (num_ranks - 1) * num_local  # experts [0, early) are not on the late rank
+    rows = []
+    for token in range(data.num_tokens[rank]):
+        row = torch.randperm(early, generator=generator)[:num_topk]
+        if token % 2 == 1:
+            row[token % num_topk] = early + int(torch.randint(num_local, (1,), generator=generator))
+        rows.append(row)
+    return torch.stack(rows).to(torch.int64)
+
+
+def _sums_as_rows_land(rank: int, num_ranks: int, spec: BufferSpec, buffer: Any) -> list[str]:
+    """The last rank starts its combine about 1.5 s late. Every other rank looks at its combine's
+    output while the combine still waits for the late rows: the tokens whose rows are all in (no
+    expert on the late rank) are already summed, bitwise as the reference; the others not yet (still
+    the NaN the output was filled with). At the end every token matches."""
+    late = rank == num_ranks - 1
+    data = make_group_inputs(
+        num_ranks, 64, spec.hidden, spec.experts(num_ranks), spec.topk(num_ranks), seed=500, uneven=False
+    )
+    for other in range(num_ranks - 1):
+        data.topk_idx[other] = _routing_around(other, num_ranks, spec, data, 500)
+    inputs, expected = reference_case(rank, data, spec.experts(num_ranks), spec.num_max_tokens, use_fp8=True)
+    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
+    y = ll_expert_output(recv_x, True)
+    torch.cuda.synchronize()  # every rank past its dispatch: the late rank's delay starts now
+    out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
+    filled = torch.cuda.Event()
+    filled.record()
+    if late:
+        torch.cuda._sleep(LATE_CYCLES)
+    combined, _ = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, "direct", out)
+    failures: list[str] = []
+    if not late:
+        time.sleep(SNAPSHOT_AFTER_SECS)
+        side = torch.cuda.Stream()
+        snapshot = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        with torch.cuda.stream(side):  # a copy engine reads `out` while the combine kernel runs
+            side.wait_event(filled)
+            snapshot.copy_(out, non_blocking=True)
+        side.synchronize()
+        if torch.cuda.current_stream().query():
+            failures.append("the combine had finished before the snapshot: the late rank was not late")
+        landed = (inputs.topk_idx < (num_ranks - 1) * (spec.experts(num_ranks) // num_ranks)).all(dim=1).cpu()
+        early_wrong = (bits(snapshot[landed]) != bits(expected.combined[landed].cpu())).any(dim=1).sum().item()
+        if early_wrong:
+            failures.append(
+                f"{early_wrong} of {int(landed.sum())} tokens with all rows in not summed (or wrong) meanwhile"
+            )
+        if not torch.isnan(snapshot[~landed].float()).all():
+            failures.append("tokens waiting for the late rank's rows were written before they arrived")
+    torch.cuda.synchronize()
+    if (bits(combined) != bits(expected.combined)).any():
+        failures.append("after the late rank's rows arrived: the combine output differs from the reference")
+    return failures
+
+
 ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
 TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
 # A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
@@ -643,19 +712,19 @@ TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_sen
 TOO_LARGE_FOR_ONE_KERNEL = BufferSpec("T11500_H128", 11_500, 128, 64, 8)
 
 
-def _launched_kernels(run: Any) -> list[str]:
-    """The LL kernels ``run`` launched, in launch order."""
+def _launched_kernels(run: Callable[[], Any]) -> tuple[list[str], Any]:
+    """The LL kernels ``run()`` launched, in launch order, and what it returned."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
+        result = run()
         torch.cuda.synchronize()
     events = sorted(
         (event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda event: event.time_range.start,
     )
-    return [name for event in events for name in KERNEL_NAMES if name in event.name]
+    return [name for event in events for name in KERNEL_NAMES if name in event.name], result
 
 
 def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, expected_direct: list[str]) -> list[str]:
@@ -665,15 +734,10 @@ def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, expected
     num_topk = spec.topk(num_ranks)
     for mode, wanted in (("direct", expected_direct), ("async", expected_direct), ("hook", TWO_KERNELS_EACH)):
         inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, True, 300)
-        observed: list[Observed] = []
-
-        def round_trip(m: str = mode, i: Inputs = inputs, into: list[Observed] = observed) -> None:
-            into.append(_round_trip(buffer, spec, i, True, m))
-
-        launched = _launched_kernels(round_trip)
+        launched, observed = _launched_kernels(functools.partial(_round_trip, buffer, spec, inputs, True, mode))
         if launched != wanted:
             failures.append(f"{spec.name} {mode}: launched {launched}, expected {wanted}")
-        failures += _compare(f"{spec.name} {mode} (launch count)", observed[0], expected, True)
+        failures += _compare(f"{spec.name} {mode} (launch count)", observed, expected, True)
     return failures
 
 
@@ -688,6 +752,8 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
             if spec.name == "E64_H2048":
                 results["graph"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=False)
                 results["graph_hook"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=True)
+                if num_ranks > 1:
+                    results["as_rows_land"] = _sums_as_rows_land(rank, num_ranks, spec, buffer)
             if spec.with_high_throughput:
                 results["outstanding"] = _outstanding(buffer, rank, num_ranks, spec)
                 guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
@@ -758,6 +824,13 @@ def test_a_buffer_too_large_for_one_kernel_runs_two_kernels_with_the_same_result
     """When the buffer's largest dispatch does not fit the one-kernel dispatch's shared memory, a
     dispatch without hook runs the send and receive kernels, and the results still match."""
     failures = _all_failures(ll_results, "fallback")
+    assert not failures, "\n".join(failures)
+
+
+def test_combine_sums_each_token_as_its_rows_land(ll_results: list[dict], num_ranks: int) -> None:
+    if num_ranks < 2:
+        pytest.skip("needs a late rank besides the ones that look")
+    failures = _all_failures(ll_results, "as_rows_land")
     assert not failures, "\n".join(failures)
 
 
