@@ -281,15 +281,29 @@ __device__ __forceinline__ void finish_receive(const LowLatencyCombineArgs& args
   if (failed == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
 }
 
+// Waits until every row token `token` gets back has arrived: lane k < K waits for the arrival cell
+// of slot k's expert e (cell (e % L, e / L)). Warp-collective; false when a wait failed (recorded).
+__device__ __forceinline__ bool wait_for_rows(const LowLatencyCombineArgs& args, int token, int lane) {
+  const int num_local = args.layout.num_local_experts;
+  bool arrived = true;
+  if (lane < args.num_topk) {
+    const int expert =
+        read_expert_id(args.view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
+    bool failed_input = false;  // recorded by finish_receive, which sees every cell
+    if (expert >= 0) {
+      arrived = wait_arrival(args, expert % num_local, expert / num_local, &failed_input) != WaitResult::kFailed;
+    }
+  }
+  return __all_sync(0xffffffffu, arrived);
+}
+
 // Sums work item (token, chunk of 32 * kReduceUnroll vectors starting at vector `first` - lane)
-// into `out`; with `wait`, lane k first waits for the arrival of slot k's row. Warp-collective;
-// false (and nothing written) when a wait failed (recorded).
-__device__ __forceinline__ bool sum_item(const LowLatencyCombineArgs& args, int token, int first, bool wait, int lane) {
+// into `out`, once the CTA has waited for the token's rows. Warp-collective.
+__device__ __forceinline__ void sum_item(const LowLatencyCombineArgs& args, int token, int first, int lane) {
   const LowLatencyLayout& layout = args.layout;
   const int num_vectors = args.hidden / 8;
   const auto* payload = args.view.local<const int4>(args.area_offset + layout.combine_payload_offset);
   auto* out = static_cast<int4*>(args.out);
-  bool arrived = true;
   int expert = -1;
   float weight = 0.0f;
   if (lane < args.num_topk) {
@@ -299,14 +313,7 @@ __device__ __forceinline__ bool sum_item(const LowLatencyCombineArgs& args, int 
     // A masked rank's experts are absent: their slots hold no row of this operation. Read after
     // every wait of this CTA, so a rank masked by one of them is left out of every token.
     if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
-    if (expert >= 0 && wait) {
-      bool failed_input = false;  // recorded by finish_receive
-      arrived = wait_arrival(args, expert % layout.num_local_experts, expert / layout.num_local_experts,
-                             &failed_input) == WaitResult::kArrived;
-    }
   }
-  if (__any_sync(0xffffffffu, !arrived)) return false;
-  __syncwarp();  // lane k's acquire of its row's arrival happens-before every lane's loads of that row
   const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
   const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
   float acc[kReduceUnroll][8] = {};
@@ -341,18 +348,17 @@ __device__ __forceinline__ bool sum_item(const LowLatencyCombineArgs& args, int 
   for (int u = 0; u < kReduceUnroll; ++u) {
     if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
   }
-  return true;
 }
 
 // The receive phase; the summing CTAs are all of the receive kernel's, the first reduce_ctas of the
-// one-kernel combine's (`kFused`). Each warp sums work items (token, chunk of the row):
-// out[t] = bf16(sum over k ascending of w[t, k] * y_k) in fp32, no FMA. By default a warp waits
-// only for the arrival cells its token's rows come with (lane k: cell (e % L, e / L) of expert
-// e = topk_idx[t, k]), so tokens whose rows landed are summed while other rows are still on the
-// way. With rank masking or wait-cost stats each summing CTA first waits for all L * R cells
-// instead: a rank masked by a timeout is then left out of every token alike, and CTA 0 accounts the
-// wait per source (DeepEP's statistic). Then every CTA counts itself finished; the last one runs
-// finish_receive.
+// one-kernel combine's (`kFused`). Work item = (token, chunk of the row), one per warp. A summing
+// CTA first waits for the rows its own tokens get back (wait_for_rows of each of its items), so a
+// CTA whose tokens' rows are in sums them while other rows are still on the way. With rank masking
+// or wait-cost stats each summing CTA waits for all L * R cells instead: a rank masked by a timeout
+// is then left out of every token alike, and CTA 0 accounts the wait per source (DeepEP's
+// statistic). The grid's last CTA done waiting (or, a CTA that sums nothing, done sending) runs
+// finish_receive; by then no CTA reads a cell any more. Then the warps sum their items:
+// out[t] = bf16(sum over k ascending of w[t, k] * y_k) in fp32, no FMA.
 template <bool kFused>
 __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
@@ -363,43 +369,48 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
-  const bool waits_per_token = args.rank_mask == nullptr && args.wait_cost_stats == nullptr;
+  const int chunks_per_token = reduce_chunks_per_token(args.hidden);
+  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
+  const int64_t first_item = int64_t{blockIdx.x} * kRecvWarps + warp;
+  const int64_t item_stride = int64_t{gridDim.x} * kRecvWarps;
 
   if (receives) {
     clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
-    const long long start = clock64();
-    for (int cell_index = threadIdx.x; !waits_per_token && cell_index < num_cells; cell_index += blockDim.x) {
-      const int source = cell_index % num_ranks;
-      bool failed_input = false;
-      if (wait_arrival(args, cell_index / num_ranks, source, &failed_input) == WaitResult::kFailed) {
-        atomicExch(&failed, 1);
+    if (args.rank_mask == nullptr && args.wait_cost_stats == nullptr) {
+      for (int64_t item = first_item; item < num_items; item += item_stride) {
+        if (!wait_for_rows(args, static_cast<int>(item / chunks_per_token), lane)) {
+          if (lane == 0) atomicExch(&failed, 1);
+          break;  // the error is recorded: this CTA's other waits end early
+        }
       }
-      if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
-                  static_cast<unsigned long long>(clock64() - start));
+    } else {
+      const long long start = clock64();
+      for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+        const int source = cell_index % num_ranks;
+        bool failed_input = false;  // recorded by finish_receive
+        if (wait_arrival(args, cell_index / num_ranks, source, &failed_input) == WaitResult::kFailed) {
+          atomicExch(&failed, 1);
+        }
+        if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
+                    static_cast<unsigned long long>(clock64() - start));
+        }
       }
     }
+    // Each wait's acquire happens-before every thread's loads of the rows it covers.
     __syncthreads();
-    if (!waits_per_token) clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
+    clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
     if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
-    const int chunks_per_token = reduce_chunks_per_token(args.hidden);
-    const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
-    for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
-         item += int64_t{gridDim.x} * kRecvWarps) {
-      const int first = static_cast<int>(item % chunks_per_token) * 32 * kReduceUnroll + lane;
-      if (!sum_item(args, static_cast<int>(item / chunks_per_token), first, waits_per_token, lane)) {
-        if (lane == 0) atomicExch(&failed, 1);
-        break;  // later waits of this CTA end early: the error is recorded
-      }
-    }
-    __syncthreads();
-    if (waits_per_token) clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
-    if (failed != 0) return;
-    clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
   }
   if (low_latency::last_to_finish(view, args.area)) finish_receive(args);
+  if (!receives) return;
+  for (int64_t item = first_item; item < num_items; item += item_stride) {
+    sum_item(args, static_cast<int>(item / chunks_per_token),
+             static_cast<int>(item % chunks_per_token) * 32 * kReduceUnroll + lane, lane);
+  }
+  clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
 }
 
 __global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {
