@@ -216,149 +216,11 @@ __host__ __device__ __forceinline__ int reduce_ctas(int num_tokens, int hidden) 
   return static_cast<int>(num_items > kRecvWarps ? (num_items + kRecvWarps - 1) / kRecvWarps : 1);
 }
 
-// Waits for arrival cell (local expert l, source) of this combine: the cell in this rank's area,
-// or across nodes the (area, l, source) signal past its shadow (advanced by finish_receive).
-// `*failed_input`: the source's input failed (the flag rode on the arrival).
-__device__ __forceinline__ WaitResult wait_arrival(const LowLatencyCombineArgs& args, int local_expert, int source,
-                                                   bool* failed_input) {
-  const DeviceView& view = args.view;
-  if (low_latency::via_transport(view, source)) {
-    const int id = low_latency::arrival_signal(view, args.area, local_expert, source);
-    int64_t delta = 0;
-    const WaitResult result =
-        low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, id,
-                                         *scaleout::shadow_cell(view, id), &delta);
-    *failed_input = result == WaitResult::kArrived && delta >= kFailedInputSignalFlag;
-    return result;
-  }
-  const int32_t* cell = low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local_expert, source);
-  int32_t value = 0;
-  const WaitResult result =
-      wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-        value = ptx::ld_acquire_sys(cell);
-        seen = value;
-        return value != 0;
-      });
-  *failed_input = result == WaitResult::kArrived && value >= kFailedInputSignalFlag;
-  return result;
-}
-
-// The receive phase's last act, by the grid's last CTA (every other CTA is done with the cells):
-// waits for every cell nobody waited for (a cell must not be reset before it arrives, or its late
-// arrival would be taken for the next operation's), records the sources whose input failed, sets
-// the cells back to 0 (across nodes: advances the shadows) and bumps the area's epoch — unless a
-// wait failed (recorded: the host raises, and the buffer is not used for LL again).
-__device__ __forceinline__ void finish_receive(const LowLatencyCombineArgs& args) {
-  __shared__ int failed;
-  const DeviceView& view = args.view;
-  const int num_ranks = view.num_ranks;
-  const int num_cells = args.layout.num_local_experts * num_ranks;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-    const int local_expert = cell_index / num_ranks;
-    const int source = cell_index % num_ranks;
-    bool failed_input = false;
-    const WaitResult result = wait_arrival(args, local_expert, source, &failed_input);
-    if (result == WaitResult::kFailed) {
-      atomicExch(&failed, 1);
-      continue;
-    }
-    if (failed_input) record_peer_failed(view, Operation::kLlCombine, source);
-    if (low_latency::via_transport(view, source)) {
-      // The signal holds exactly this operation's addition (the source's next one needs this
-      // rank's release of the area, after this kernel); a masked source's is not consumed.
-      if (result == WaitResult::kArrived) {
-        const int id = low_latency::arrival_signal(view, args.area, local_expert, source);
-        *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
-      }
-      continue;
-    }
-    ptx::st_relaxed_sys(low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, local_expert, source),
-                        0);
-  }
-  __syncthreads();
-  if (failed == 0 && threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
-}
-
-// Waits until every row token `token` gets back has arrived: lane k < K waits for the arrival cell
-// of slot k's expert e (cell (e % L, e / L)). Warp-collective; false when a wait failed (recorded).
-__device__ __forceinline__ bool wait_for_rows(const LowLatencyCombineArgs& args, int token, int lane) {
-  const int num_local = args.layout.num_local_experts;
-  bool arrived = true;
-  if (lane < args.num_topk) {
-    const int expert =
-        read_expert_id(args.view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
-    bool failed_input = false;  // recorded by finish_receive, which sees every cell
-    if (expert >= 0) {
-      arrived = wait_arrival(args, expert % num_local, expert / num_local, &failed_input) != WaitResult::kFailed;
-    }
-  }
-  return __all_sync(0xffffffffu, arrived);
-}
-
-// Sums work item (token, chunk of 32 * kReduceUnroll vectors starting at vector `first` - lane)
-// into `out`, once the CTA has waited for the token's rows. Warp-collective.
-__device__ __forceinline__ void sum_item(const LowLatencyCombineArgs& args, int token, int first, int lane) {
-  const LowLatencyLayout& layout = args.layout;
-  const int num_vectors = args.hidden / 8;
-  const auto* payload = args.view.local<const int4>(args.area_offset + layout.combine_payload_offset);
-  auto* out = static_cast<int4*>(args.out);
-  int expert = -1;
-  float weight = 0.0f;
-  if (lane < args.num_topk) {
-    expert =
-        read_expert_id(args.view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
-    weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
-    // A masked rank's experts are absent: their slots hold no row of this operation. Read after
-    // every wait of this CTA, so a rank masked by one of them is left out of every token.
-    if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
-  }
-  const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
-  const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
-  float acc[kReduceUnroll][8] = {};
-  for (int first_slot = 0; first_slot < args.num_topk; first_slot += kSlotsInFlight) {
-    // All loads of kSlotsInFlight slots are issued before any is used.
-    int4 packed[kSlotsInFlight][kReduceUnroll];
-#pragma unroll
-    for (int j = 0; j < kSlotsInFlight; ++j) {
-      const int k = first_slot + j;
-      if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (first + u * 32 < num_vectors) packed[j][u] = __ldcg(slots + int64_t{k} * num_vectors + u * 32);
-      }
-    }
-    // k ascending, product rounded to fp32 then added: the reference's arithmetic (no FMA).
-#pragma unroll
-    for (int j = 0; j < kSlotsInFlight; ++j) {
-      const int k = first_slot + j;
-      if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
-      const float w = __shfl_sync(0xffffffffu, weight, k);
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (first + u * 32 >= num_vectors) continue;
-        const fp8::Channels8 y = fp8::widen_bf16x8(packed[j][u]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(w, y.value[i]));
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kReduceUnroll; ++u) {
-    if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
-  }
-}
-
-// The receive phase; the summing CTAs are all of the receive kernel's, the first reduce_ctas of the
-// one-kernel combine's (`kFused`). Work item = (token, chunk of the row), one per warp. A summing
-// CTA first waits for the rows its own tokens get back (wait_for_rows of each of its items), so a
-// CTA whose tokens' rows are in sums them while other rows are still on the way. With rank masking
-// or wait-cost stats each summing CTA waits for all L * R cells instead: a rank masked by a timeout
-// is then left out of every token alike, and CTA 0 accounts the wait per source (DeepEP's
-// statistic). The grid's last CTA done waiting (or, a CTA that sums nothing, done sending) runs
-// finish_receive; by then no CTA reads a cell any more. Then the warps sum their items:
-// out[t] = bf16(sum over k ascending of w[t, k] * y_k) in fp32, no FMA.
+// The receive phase. Every CTA that sums rows (all of the receive kernel's, the first reduce_ctas
+// of the one-kernel combine's, `kFused`) waits for all L * R arrival cells (a token may have rows
+// from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to finish
+// its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen every
+// cell and read the epoch. Then the warps reduce the K slots of each token.
 template <bool kFused>
 __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
@@ -369,46 +231,124 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
-  const int chunks_per_token = reduce_chunks_per_token(args.hidden);
-  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
-  const int64_t first_item = int64_t{blockIdx.x} * kRecvWarps + warp;
-  const int64_t item_stride = int64_t{gridDim.x} * kRecvWarps;
 
   if (receives) {
     clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
-    if (args.rank_mask == nullptr && args.wait_cost_stats == nullptr) {
-      for (int64_t item = first_item; item < num_items; item += item_stride) {
-        if (!wait_for_rows(args, static_cast<int>(item / chunks_per_token), lane)) {
-          if (lane == 0) atomicExch(&failed, 1);
-          break;  // the error is recorded: this CTA's other waits end early
+    const long long start = clock64();
+    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+      const int source = cell_index % num_ranks;
+      WaitResult result;
+      if (low_latency::via_transport(view, source)) {
+        // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
+        const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+        int64_t delta = 0;
+        result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive,
+                                                  source, id, *scaleout::shadow_cell(view, id), &delta);
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
+        }
+      } else {
+        const int32_t* cell =
+            low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+        int32_t value = 0;
+        result = wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1,
+                              [&](int64_t& seen) {
+                                value = ptx::ld_acquire_sys(cell);
+                                seen = value;
+                                return value != 0;
+                              });
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
         }
       }
-    } else {
-      const long long start = clock64();
-      for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-        const int source = cell_index % num_ranks;
-        bool failed_input = false;  // recorded by finish_receive
-        if (wait_arrival(args, cell_index / num_ranks, source, &failed_input) == WaitResult::kFailed) {
-          atomicExch(&failed, 1);
-        }
-        if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
-                    static_cast<unsigned long long>(clock64() - start));
-        }
+      if (result == WaitResult::kFailed) atomicExch(&failed, 1);
+      // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
+      if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
+                  static_cast<unsigned long long>(clock64() - start));
       }
     }
-    // Each wait's acquire happens-before every thread's loads of the rows it covers.
     __syncthreads();
     clock_phase(view, ClockedKernel::kLlCombineRecv, 1);
     if (failed != 0) return;  // the error is recorded; the host raises CommTimeoutError
   }
-  if (low_latency::last_to_finish(view, args.area)) finish_receive(args);
+
+  if (low_latency::last_to_finish(view, args.area)) {
+    // Every CTA that waits has seen every cell; the senders write them again only after this
+    // rank's next operation on the area has started (after this kernel).
+    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+      const int source = cell_index % num_ranks;
+      if (low_latency::via_transport(view, source)) {
+        // The signal holds exactly this operation's addition (the source's next one needs this
+        // rank's release of the area, after this kernel); a masked source's is not consumed.
+        if (!peer_masked(args.rank_mask, source)) {
+          const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+          *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
+        }
+        continue;
+      }
+      ptx::st_relaxed_sys(
+          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source), 0);
+    }
+    if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
+  }
   if (!receives) return;
-  for (int64_t item = first_item; item < num_items; item += item_stride) {
-    sum_item(args, static_cast<int>(item / chunks_per_token),
-             static_cast<int>(item % chunks_per_token) * 32 * kReduceUnroll + lane, lane);
+
+  const int num_vectors = args.hidden / 8;
+  const int chunk_vectors = 32 * kReduceUnroll;
+  const int chunks_per_token = reduce_chunks_per_token(args.hidden);
+  const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
+  const auto* payload = view.local<const int4>(args.area_offset + layout.combine_payload_offset);
+  auto* out = static_cast<int4*>(args.out);
+  for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
+       item += int64_t{gridDim.x} * kRecvWarps) {
+    const int token = static_cast<int>(item / chunks_per_token);
+    const int first = static_cast<int>(item % chunks_per_token) * chunk_vectors + lane;
+    int expert = -1;
+    float weight = 0.0f;
+    if (lane < args.num_topk) {
+      expert = read_expert_id(view, Operation::kLlCombine, args.topk_idx, args.num_topk, token, lane, args.num_experts);
+      weight = args.topk_weights[int64_t{token} * args.num_topk + lane];
+      // A masked rank's experts are absent: their slots hold no row of this operation. Read after
+      // every wait of this CTA, so a rank masked by one of them is left out of every token.
+      if (expert >= 0 && peer_masked(args.rank_mask, expert / layout.num_local_experts)) expert = -1;
+    }
+    const uint32_t selected = __ballot_sync(0xffffffffu, expert >= 0);
+    const int4* slots = payload + int64_t{token} * layout.num_topk * num_vectors + first;
+    float acc[kReduceUnroll][8] = {};
+    for (int first_slot = 0; first_slot < args.num_topk; first_slot += kSlotsInFlight) {
+      // All loads of kSlotsInFlight slots are issued before any is used.
+      int4 packed[kSlotsInFlight][kReduceUnroll];
+#pragma unroll
+      for (int j = 0; j < kSlotsInFlight; ++j) {
+        const int k = first_slot + j;
+        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (first + u * 32 < num_vectors) packed[j][u] = __ldcg(slots + int64_t{k} * num_vectors + u * 32);
+        }
+      }
+      // k ascending, product rounded to fp32 then added: the reference's arithmetic (no FMA).
+#pragma unroll
+      for (int j = 0; j < kSlotsInFlight; ++j) {
+        const int k = first_slot + j;
+        if (k >= args.num_topk || ((selected >> k) & 1u) == 0) continue;
+        const float w = __shfl_sync(0xffffffffu, weight, k);
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (first + u * 32 >= num_vectors) continue;
+          const fp8::Channels8 y = fp8::widen_bf16x8(packed[j][u]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(w, y.value[i]));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (first + u * 32 < num_vectors) out[int64_t{token} * num_vectors + first + u * 32] = round_to_bf16x8(acc[u]);
+    }
   }
   clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
 }
