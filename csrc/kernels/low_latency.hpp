@@ -54,7 +54,6 @@
 
 #if defined(__CUDACC__)
 #include "kernels/barrier.cuh"
-#include "kernels/phase_clock.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/scaleout.cuh"
 #include "kernels/timeout.cuh"
@@ -408,56 +407,6 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
     state[1] = epoch;
   }
   return true;
-}
-
-// Where a send phase sends and how it is split: the inputs of run_send_phase.
-struct SendPhase {
-  int64_t ll_offset;    // window offset of the LL region (area 0)
-  int area;             // this operation's area
-  int64_t area_offset;  // and its window offset
-  int num_rounds;       // num_send_rounds of the operation's work
-  Operation operation;  // for the gate's timeout report
-  ClockedKernel clock;  // stamps 0 (start) and 1 (gate open) here, the rounds' own, `end_stamp` last
-  int end_stamp;
-  int32_t* rank_mask;
-};
-
-// The driver of a send phase, dispatch and combine alike: the CTA's first round (claimed before
-// the gate, kClaimed), `prepare()` if it has one, the area gate (begin_send, round 0's holder
-// publishing), `run_round(round, transport, group)` for each of its rounds, the transport flushed,
-// then end_send — `on_last_cta()` in the CTA that finishes it. A CTA without a round neither gates
-// nor stamps (only CTAs that send leave send stamps) but still goes through end_send. After a
-// timeout at the gate the CTA keeps taking its rounds (claimed ones are nobody else's) and sends
-// nothing. The whole CTA is the transport group (barrier 1; __syncthreads is barrier 0); the
-// queue is reset here and first used after begin_send's __syncthreads, which also makes what
-// `prepare` wrote visible to the CTA. CTA-collective.
-template <bool kClaimed, bool kScaleout, typename Prepare, typename RunRound, typename OnLastCta>
-__device__ __forceinline__ void run_send_phase(const DeviceView& view, const LowLatencyLayout& layout,
-                                               const SendPhase& phase, Prepare&& prepare, RunRound&& run_round,
-                                               OnLastCta&& on_last_cta) {
-  const int32_t epoch = send_epoch(view, layout, phase.area_offset);
-  int32_t* claims = scratch_int(view, LowLatencyScratch::kSendClaim, phase.area);
-  int round = next_send_round<kClaimed>(claims, -1);
-  const bool sends = round < phase.num_rounds;
-  if (sends) {
-    clock_phase(view, phase.clock, 0);
-    prepare();
-  }
-  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
-  scaleout::Transport transport(view, transport_queue<kScaleout>());
-  if constexpr (kScaleout) transport.init(group);
-  const bool open = sends && begin_send(view, layout, phase.area, phase.area_offset, epoch, round == 0, phase.operation,
-                                        phase.rank_mask);
-  if (open) clock_phase(view, phase.clock, 1);
-  for (; round < phase.num_rounds; round = next_send_round<kClaimed>(claims, round)) {
-    if (open) run_round(round, transport, group);
-  }
-  // Every source this CTA put may be rewritten by the next operation on this area.
-  if constexpr (kScaleout) {
-    if (open) transport.flush(group);
-  }
-  if (end_send(view, layout, phase.ll_offset, phase.area, epoch, phase.rank_mask)) on_last_cta();
-  if (sends) clock_phase(view, phase.clock, phase.end_stamp);
 }
 
 // The receive phase's last act on the area: one more operation has been received here.

@@ -64,13 +64,11 @@ __device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scale
       staging, row_bytes);
 }
 
-// One round of the send phase (after the area gate): the units round.base + j * round.stride
-// (j < kUnitsPerRound), unit = l * R + s: source-fastest, so neighbouring CTAs write to different
-// ranks. A unit has few rows (about T * K / E), so the rows of a whole round are spread over the
-// warps together.
-template <bool kScaleout>
-__device__ __forceinline__ void send_round(const LowLatencyCombineArgs& args, low_latency::SendRound units,
-                                           scaleout::Transport& transport, const scaleout::WarpGroup& group) {
+// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
+// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
+// low_latency::next_send_round says why).
+template <bool kScaleout, bool kClaimed>
+__device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   __shared__ int unit_counts[kUnitsPerRound];
   __shared__ int64_t unit_first_x_row[kUnitsPerRound];
   __shared__ int unit_via_transport[kUnitsPerRound];
@@ -81,116 +79,124 @@ __device__ __forceinline__ void send_round(const LowLatencyCombineArgs& args, lo
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int num_units = layout.num_local_experts * num_ranks;
+
+  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
+  const int num_rounds = low_latency::num_send_rounds(num_units, kUnitsPerRound);
+  int round = low_latency::next_send_round<kClaimed>(claims, -1);
+  // A CTA without a round (a one-kernel combine whose other CTAs took them all) neither gates nor
+  // stamps: only the CTAs that send leave send stamps.
+  const bool sends = round < num_rounds;
+  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 0);
+  // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
+  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
+  if constexpr (kScaleout) transport.init(group);
+  const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
+                                                     Operation::kLlCombine, args.rank_mask);
+  if (open) clock_phase(view, ClockedKernel::kLlCombineSend, 1);
   const auto* headers = view.local<const int4>(args.dispatch_area_offset + layout.dispatch_headers_offset);
   const auto* rows = static_cast<const int4*>(args.x);
-  const auto unit_of = [&](int j) { return units.base + j * units.stride; };
-  if (threadIdx.x < kUnitsPerRound) {
-    const int unit = unit_of(threadIdx.x);
-    // Clamped so that a corrupted count can never address past the slots. Without the handle's
-    // counts (a failed input with no usable handle) this rank sends no row.
-    // A masked source rank gets no row (and no arrival cell, below).
-    unit_counts[threadIdx.x] =
-        unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
-            ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
-            : 0;
-    // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
-    // (first row from its layout range, clamped inside the expert's rows like the count).
-    int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
-    if (unit < num_units && args.layout_range != nullptr) {
-      const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
-      const int64_t begin =
-          std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
-      first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
-    }
-    unit_first_x_row[threadIdx.x] = first_x_row;
-    // Decided once per round: a mask may change meanwhile, and every thread must take part in
-    // the same signals.
-    unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
-                                      low_latency::via_transport(view, unit % num_ranks) &&
-                                      !peer_masked(args.rank_mask, unit % num_ranks);
-  }
-  __syncthreads();
-
-  int rows_before = 0;
-  for (int j = 0; j < kUnitsPerRound; ++j) {
-    const int unit = unit_of(j);
-    if (unit >= num_units) break;
-    const int count = unit_counts[j];
-    const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
-    const int64_t first_x_row = unit_first_x_row[j];
-    int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
-    for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
-      const int64_t row = first_row + i;
-      const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
-      const int token = header.x;
-      const int slot = header.y;
-      if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
-      // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
-      if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
-        put_row(args, transport, unit % num_ranks, row,
-                rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
-        continue;
+  // Round q takes units base + j * stride (j < kUnitsPerRound), unit = l * R + s: source-fastest,
+  // so neighbouring CTAs write to different ranks. A unit has few rows (about T * K / E), so the
+  // rows of a whole round are spread over the warps together. After a timeout the CTA still takes
+  // its rounds (claimed ones are nobody else's) but sends nothing.
+  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+    if (!open) continue;
+    const low_latency::SendRound units = low_latency::send_round(round, kUnitsPerRound);
+    const auto unit_of = [&](int j) { return units.base + j * units.stride; };
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      // Clamped so that a corrupted count can never address past the slots. Without the handle's
+      // counts (a failed input with no usable handle) this rank sends no row.
+      // A masked source rank gets no row (and no arrival cell, below).
+      unit_counts[threadIdx.x] =
+          unit < num_units && args.count_per_source != nullptr && !peer_masked(args.rank_mask, unit % num_ranks)
+              ? std::clamp(args.count_per_source[unit], 0, static_cast<int>(layout.num_max_tokens))
+              : 0;
+      // Where the unit's rows sit in x: per-source blocks, or compacted by the dispatch's receive
+      // (first row from its layout range, clamped inside the expert's rows like the count).
+      int64_t first_x_row = int64_t{unit} * layout.num_max_tokens;
+      if (unit < num_units && args.layout_range != nullptr) {
+        const int64_t expert_rows = int64_t{num_ranks} * layout.num_max_tokens;
+        const int64_t begin =
+            std::clamp<int64_t>(args.layout_range[unit] >> 32, 0, expert_rows - unit_counts[threadIdx.x]);
+        first_x_row = int64_t{unit / num_ranks} * expert_rows + begin;
       }
-      int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
-      if (rows == nullptr) {
-        // This rank's input failed: its expert outputs count as zero, not as stale slot data.
-        for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
-      } else {
-        low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
-      }
+      unit_first_x_row[threadIdx.x] = first_x_row;
+      // Decided once per round: a mask may change meanwhile, and every thread must take part in
+      // the same signals.
+      unit_via_transport[threadIdx.x] = kScaleout && unit < num_units &&
+                                        low_latency::via_transport(view, unit % num_ranks) &&
+                                        !peer_masked(args.rank_mask, unit % num_ranks);
     }
-    rows_before += count;
-  }
-  __syncthreads();
-  clock_phase(view, ClockedKernel::kLlCombineSend, 2);
+    __syncthreads();
 
-  if constexpr (kScaleout) {
-    // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
-    transport.signal_each(group, kUnitsPerRound, [&](int j) {
-      if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
+    int rows_before = 0;
+    for (int j = 0; j < kUnitsPerRound; ++j) {
       const int unit = unit_of(j);
-      const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
-                           (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
-      return scaleout::SignalItem{unit % num_ranks,
-                                  low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
-    });
-  }
-  if (threadIdx.x < kUnitsPerRound) {
-    const int unit = unit_of(threadIdx.x);
-    if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
-        !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
-      // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
-      // cell, which a strong store after the fence releases (no second fence).
-      ptx::fence_acq_rel_sys();
-      ptx::st_relaxed_sys(
-          low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
-          low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
+      if (unit >= num_units) break;
+      const int count = unit_counts[j];
+      const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
+      const int64_t first_x_row = unit_first_x_row[j];
+      int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
+      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+        const int64_t row = first_row + i;
+        const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
+        const int token = header.x;
+        const int slot = header.y;
+        if (token < 0 || token >= layout.num_max_tokens || slot < 0 || slot >= layout.num_topk) continue;
+        // lsa: a plain store into the peer, as within a node (the arrival signal covers it).
+        if (kScaleout && unit_via_transport[j] != 0 && !low_latency::stores_directly(view)) {
+          put_row(args, transport, unit % num_ranks, row,
+                  rows == nullptr ? nullptr : rows + (first_x_row + i) * num_vectors, token, slot, lane);
+          continue;
+        }
+        int4* dst = payload + (int64_t{token} * layout.num_topk + slot) * num_vectors;
+        if (rows == nullptr) {
+          // This rank's input failed: its expert outputs count as zero, not as stale slot data.
+          for (int index = lane; index < num_vectors; index += 32) ptx::st_na_v4(dst + index, make_int4(0, 0, 0, 0));
+        } else {
+          low_latency::warp_copy_row<kCopyUnroll>(dst, rows + (first_x_row + i) * num_vectors, num_vectors, lane);
+        }
+      }
+      rows_before += count;
     }
-  }
-  __syncthreads();  // unit_counts is rewritten by the next round
-  clock_phase(view, ClockedKernel::kLlCombineSend, 3);
-}
+    __syncthreads();
+    clock_phase(view, ClockedKernel::kLlCombineSend, 2);
 
-// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
-// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
-// low_latency::next_send_round says why).
-template <bool kScaleout, bool kClaimed>
-__device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
-  const int num_units = args.layout.num_local_experts * args.view.num_ranks;
-  const low_latency::SendPhase phase{args.ll_offset,
-                                     args.area,
-                                     args.area_offset,
-                                     low_latency::num_send_rounds(num_units, kUnitsPerRound),
-                                     Operation::kLlCombine,
-                                     ClockedKernel::kLlCombineSend,
-                                     4,
-                                     args.rank_mask};
-  low_latency::run_send_phase<kClaimed, kScaleout>(
-      args.view, args.layout, phase, [] {},
-      [&](int round, scaleout::Transport& transport, const scaleout::WarpGroup& group) {
-        send_round<kScaleout>(args, low_latency::send_round(round, kUnitsPerRound), transport, group);
-      },
-      [] {});
+    if constexpr (kScaleout) {
+      // One arrival signal per unit of another node; it covers every put of the CTA to that rank.
+      transport.signal_each(group, kUnitsPerRound, [&](int j) {
+        if (unit_via_transport[j] == 0) return scaleout::SignalItem{};
+        const int unit = unit_of(j);
+        const uint64_t add = static_cast<uint64_t>(unit_counts[j]) + 1 +
+                             (args.input_failed ? static_cast<uint64_t>(kFailedInputSignalFlag) : 0);
+        return scaleout::SignalItem{unit % num_ranks,
+                                    low_latency::arrival_signal(view, args.area, unit / num_ranks, view.rank), add};
+      });
+    }
+    if (threadIdx.x < kUnitsPerRound) {
+      const int unit = unit_of(threadIdx.x);
+      if (unit < num_units && !peer_masked(args.rank_mask, unit % num_ranks) &&
+          !(kScaleout && low_latency::via_transport(view, unit % num_ranks))) {
+        // Orders the rows of every warp of the CTA (seen through the __syncthreads) before the
+        // cell, which a strong store after the fence releases (no second fence).
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(
+            low_latency::arrival_cell(view, unit % num_ranks, layout, args.area_offset, unit / num_ranks, view.rank),
+            low_latency::arrival_value(unit_counts[threadIdx.x], args.input_failed));
+      }
+    }
+    __syncthreads();  // unit_counts is rewritten by the next round
+    clock_phase(view, ClockedKernel::kLlCombineSend, 3);
+  }
+  // Every source this CTA put may be rewritten by the next operation.
+  if constexpr (kScaleout) {
+    if (open) transport.flush(group);
+  }
+  low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, args.rank_mask);
+  if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 4);
 }
 
 template <bool kScaleout>

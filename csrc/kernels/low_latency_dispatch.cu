@@ -338,33 +338,44 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
   auto* expert_ids = reinterpret_cast<int16_t*>(shared);
   auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
 
-  const low_latency::SendPhase phase{args.ll_offset,
-                                     args.area,
-                                     args.area_offset,
-                                     low_latency::num_send_rounds(args.num_experts, experts_per_round),
-                                     Operation::kLlDispatch,
-                                     ClockedKernel::kLlDispatchSend,
-                                     5,
-                                     args.rank_mask};
-  low_latency::run_send_phase<kClaimed, kScaleout>(
-      view, layout, phase,
-      [&] {
-        for (int i = threadIdx.x; i < num_tokens * num_topk; i += blockDim.x) {
-          expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
-                                                              i / num_topk, i % num_topk, args.num_experts));
-        }
-      },
-      [&](int round, scaleout::Transport& transport, const scaleout::WarpGroup& group) {
-        send_round<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round,
-                                       low_latency::send_round(round, experts_per_round), transport, group);
-      },
-      [&] {
-        if constexpr (kUseFp8) {
-          // Every CTA is done with the staging rows: their flags back to 0 for the next send on this area.
-          int32_t* flags = view.local<int32_t>(args.area_offset + layout.staging_flags_offset);
-          for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
-        }
-      });
+  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
+  const int num_rounds = low_latency::num_send_rounds(args.num_experts, experts_per_round);
+  int round = low_latency::next_send_round<kClaimed>(claims, -1);
+  // A CTA without a round (a one-kernel dispatch whose other CTAs took them all) neither gates nor
+  // stamps: only the CTAs that send leave send stamps.
+  const bool sends = round < num_rounds;
+  if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 0);
+  for (int i = threadIdx.x; sends && i < num_tokens * num_topk; i += blockDim.x) {
+    expert_ids[i] = static_cast<int16_t>(read_expert_id(view, Operation::kLlDispatch, args.topk_idx, num_topk,
+                                                        i / num_topk, i % num_topk, args.num_experts));
+  }
+  // The whole CTA is the transport group (barrier 1; __syncthreads is barrier 0). The queue is
+  // reset here and first used after begin_send's __syncthreads.
+  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
+  if constexpr (kScaleout) transport.init(group);
+  // Also the __syncthreads that makes expert_ids visible to the whole CTA.
+  const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
+                                                     Operation::kLlDispatch, args.rank_mask);
+  if (open) clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
+  // After a timeout the CTA still takes its rounds (claimed ones are nobody else's) but sends nothing.
+  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+    if (open) {
+      send_round<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round,
+                                     low_latency::send_round(round, experts_per_round), transport, group);
+    }
+  }
+  // Every source this CTA put may be rewritten by the next operation on this area.
+  if constexpr (kScaleout) {
+    if (open) transport.flush(group);
+  }
+  if (low_latency::end_send(view, layout, args.ll_offset, args.area, epoch, args.rank_mask) && kUseFp8) {
+    // Every CTA is done with the staging rows: their flags back to 0 for the next send on this area.
+    int32_t* flags = view.local<int32_t>(args.area_offset + layout.staging_flags_offset);
+    for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
+  }
+  if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 5);
 }
 
 template <bool kUseFp8, bool kScaleout>
