@@ -405,6 +405,15 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
             )
             ll_region = ll["region_bytes"]
             self.num_ll_topk = ll["num_topk"]
+            # A dispatch stages its routing in shared memory: a size no call could run is refused here.
+            _C.check_low_latency_dispatch_fits(
+                self.num_ranks,
+                self.num_max_dispatch_tokens_per_rank,
+                self.hidden,
+                self.num_experts,
+                self.num_topk,
+                self.ll_scaleout,
+            )
         if num_bytes is None:
             ht_region = 0
             if self.num_max_tokens_per_rank > 0:

@@ -200,10 +200,12 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
 //                     kernel; dispatch: tokens of source s for local expert l; combine: rows returned by
 //                     local expert l of rank s
 //   combine payload   [T_ll][K][hidden] bf16: the row of (token, top-k slot k) returned by its expert
-//   combine flags     [R] int32 counts, never reset: [me] = operations received on this area,
+//   combine flags     [R] int64 counts, never reset: [me] = operations received on this area,
 //                     [d] = operations on this area whose data rank d has released (send phases wait
 //                     for it, so a rank running ahead never overwrites data a slower peer still reads);
-//                     then [2] int32 (area 0 only): area and epoch of this rank's last send phase
+//                     then [2] int64 (area 0 only): area and epoch of this rank's last send phase.
+//                     64-bit: an int32 count would wrap after 2^31 operations on an area (about a
+//                     week of serving at 10,000 LL operations per second)
 //   staging           the sender's own rows: payload [T_ll][2 * hidden] (token t's bf16 row, or its
 //                     fp8 row in the first half), scales [T_ll][hidden/128] fp32, headers [E][T_ll] x
 //                     16 B (expert e's header block; across nodes, a transport put reads from the
@@ -211,7 +213,7 @@ EP_HOST_DEVICE constexpr HighThroughputLayout high_throughput_layout(const Topol
 //                     row this operation; 0 between send kernels). Per area, so operations on
 //                     different areas never share it.
 constexpr int kLowLatencyAreas = 3;
-constexpr int kLowLatencyStateInts = 2;  // {area, epoch} of the last send phase, after the flags of area 0
+constexpr int kLowLatencyStateWords = 2;  // int64 {area, epoch} of the last send phase, after the flags of area 0
 struct LowLatencyLayout {
   int64_t num_max_tokens = 0;
   int num_local_experts = 0;
@@ -257,7 +259,7 @@ EP_HOST_DEVICE constexpr LowLatencyLayout low_latency_layout(int64_t num_max_tok
   layout.combine_payload_offset = offset;
   offset = align_up(offset + num_max_tokens * num_topk * hidden * 2, kSlotAlignBytes);
   layout.combine_flags_offset = offset;
-  offset = align_up(offset + (int64_t{num_ranks} + kLowLatencyStateInts) * 4, kSlotAlignBytes);
+  offset = align_up(offset + (int64_t{num_ranks} + kLowLatencyStateWords) * 8, kSlotAlignBytes);
   layout.staging_payload_offset = offset;
   offset = align_up(offset + num_max_tokens * hidden * 2, kSlotAlignBytes);
   layout.staging_scales_offset = offset;
@@ -336,10 +338,10 @@ struct WorkspaceLayout {
   static constexpr int64_t scaleout_shadows_offset = scaleout_signals_offset + int64_t{kMaxScaleoutSignals} * 8;
   static constexpr int64_t notify_send_offset = scaleout_shadows_offset + int64_t{kMaxScaleoutSignals} * 8;
   static constexpr int64_t notify_recv_offset = notify_send_offset + kMaxNotifyMessageInts * 4;
-  // LL across nodes: [area][peer] int32, the release count this rank last signalled to that peer
+  // LL across nodes: [area][peer] int64, the release count this rank last signalled to that peer
   // for that area (signals only add: the next release adds the difference). Persistent.
-  static constexpr int64_t ll_published_offset = notify_recv_offset + kMaxNotifyMessageInts * 4;
-  static constexpr int64_t used_bytes = ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 4;
+  static constexpr int64_t ll_published_offset = align_up(notify_recv_offset + kMaxNotifyMessageInts * 4, 8);
+  static constexpr int64_t used_bytes = ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 8;
   static constexpr int64_t bytes = align_up(used_bytes, kWindowAlignBytes);
 };
 

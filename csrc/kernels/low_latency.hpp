@@ -23,7 +23,7 @@
 //     CTA is done with the window, at its end for the other areas (everything but the previous
 //     operation). With the areas in rotation, the area an operation writes was released by every
 //     peer at the end of their previous send: no send waits for a peer to start the same
-//     operation. The rank's {area, epoch} of its last send (kLowLatencyStateInts in area 0) tell
+//     operation. The rank's {area, epoch} of its last send (kLowLatencyStateWords in area 0) tell
 //     the end-of-send publication which area holds the previous operation.
 //   * a rank whose input failed its host checks sends with no data and `input_failed`: its arrival
 //     cells (and signals) carry kFailedInputSignalFlag on top of count + 1, and the receiver records
@@ -151,6 +151,12 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t 
 
 // Host checks both LL operations share: the call must match what the buffer's LL region was
 // sized for. Throws std::invalid_argument naming the argument, the value and the rule.
+// Throws std::invalid_argument when the largest dispatch of a buffer of `layout` (its routing and
+// token list are staged in shared memory) does not fit this device's send kernel (`scaleout`: the
+// variant that reaches other nodes through the transport). On the current device; checked when a
+// buffer is built, so that no call can fail on it later.
+void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleout);
+
 void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
                             int num_topk);
 
@@ -204,10 +210,11 @@ __device__ __forceinline__ int32_t* arrival_cell(const DeviceView& view, int ran
   return view.peer<int32_t>(rank, area_offset + layout.dispatch_counts_offset + cell * 4);
 }
 
-// flags cell `about_rank` of an area in `rank`'s window (see the protocol above).
-__device__ __forceinline__ int32_t* flags_cell(const DeviceView& view, int rank, const LowLatencyLayout& layout,
+// flags cell `about_rank` of an area in `rank`'s window (see the protocol above). int64: the counts
+// grow by one per operation on the area and are never reset, so 32 bits would wrap in days.
+__device__ __forceinline__ int64_t* flags_cell(const DeviceView& view, int rank, const LowLatencyLayout& layout,
                                                int64_t area_offset, int about_rank) {
-  return view.peer<int32_t>(rank, area_offset + layout.combine_flags_offset + int64_t{about_rank} * 4);
+  return view.peer<int64_t>(rank, area_offset + layout.combine_flags_offset + int64_t{about_rank} * 8);
 }
 
 // LL across nodes: `peer` sits on another node and is reached through the scale-out transport.
@@ -234,10 +241,12 @@ __device__ __forceinline__ int release_signal(int area, int source) {
 // only add, so this adds what was not published yet; atomicMax on the last published count keeps
 // that exact when send kernels of other areas (other streams) publish at the same time. The counts
 // of an area only grow (docs/low_latency.md), so nothing is ever taken back.
-__device__ __forceinline__ void publish_release_signal(const DeviceView& view, int area, int peer, int32_t released) {
-  int32_t* last = view.local<int32_t>(WorkspaceLayout::ll_published_offset + (int64_t{area} * kMaxRanks + peer) * 4);
-  const int32_t before = atomicMax(last, released);
-  if (released > before) scaleout::signal_only(view, peer, release_signal(area, view.rank), released - before);
+__device__ __forceinline__ void publish_release_signal(const DeviceView& view, int area, int peer, int64_t released) {
+  auto* last = view.local<long long>(WorkspaceLayout::ll_published_offset + (int64_t{area} * kMaxRanks + peer) * 8);
+  const int64_t before = atomicMax(last, static_cast<long long>(released));
+  if (released > before) {
+    scaleout::signal_only(view, peer, release_signal(area, view.rank), static_cast<uint64_t>(released - before));
+  }
 }
 
 // Release of `released` operations of area `area` (window offset `area_offset`) to `peer`.
@@ -245,7 +254,7 @@ __device__ __forceinline__ void publish_release_signal(const DeviceView& view, i
 // released, so a strong relaxed store is enough (a release store would fence again).
 template <bool kFenced = false>
 __device__ __forceinline__ void publish_release(const DeviceView& view, const LowLatencyLayout& layout, int area,
-                                                int64_t area_offset, int peer, int32_t released) {
+                                                int64_t area_offset, int peer, int64_t released) {
   if (via_transport(view, peer)) {
     publish_release_signal(view, area, peer, released);
   } else if constexpr (kFenced) {
@@ -293,7 +302,7 @@ __device__ __forceinline__ scaleout::DeferredQueue* transport_queue() {
 // on this area. Only receive phases write ready[me] in my window: a receive kernel is stream-
 // ordered after its send kernel, and a one-kernel operation bumps it from its last CTA to finish
 // (every CTA read it at its start), so every CTA of a send phase reads the same value.
-__device__ __forceinline__ int32_t send_epoch(const DeviceView& view, const LowLatencyLayout& layout,
+__device__ __forceinline__ int64_t send_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                               int64_t area_offset) {
   return ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
 }
@@ -311,7 +320,7 @@ __device__ __forceinline__ int32_t arrival_value(int32_t count, bool input_faile
 // it is sure to run before this rank's receive phase waits on the peers (whose sends wait for this
 // release). Returns false on timeout (the CTA must not write then).
 __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLatencyLayout& layout, int area,
-                                           int64_t area_offset, int32_t epoch, bool publishes, Operation operation,
+                                           int64_t area_offset, int64_t epoch, bool publishes, Operation operation,
                                            int32_t* rank_mask) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
@@ -348,13 +357,13 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
 // back to 0. Returns true in every thread of the last CTA (every other CTA is then done with the
 // send phase's window accesses), false elsewhere.
 __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
-                                         int area, int32_t epoch, const int32_t* rank_mask) {
+                                         int area, int64_t epoch, const int32_t* rank_mask) {
   int32_t* counter = scratch_int(view, LowLatencyScratch::kSendFinish, area);
   __shared__ int is_last;
-  __shared__ int32_t previous[kLowLatencyStateInts];
-  __shared__ int32_t received[kLowLatencyAreas];
-  static_assert(kLowLatencySendThreads >= 64 + kLowLatencyAreas && kLowLatencyStateInts <= 32, "end_send's loaders");
-  int32_t* state = view.local<int32_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 4);
+  __shared__ int64_t previous[kLowLatencyStateWords];
+  __shared__ int64_t received[kLowLatencyAreas];
+  static_assert(kLowLatencySendThreads >= 64 + kLowLatencyAreas && kLowLatencyStateWords <= 32, "end_send's loaders");
+  int64_t* state = view.local<int64_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 8);
   __syncthreads();
   const int thread = static_cast<int>(threadIdx.x);
   if (thread == 0) {
@@ -364,7 +373,7 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
       *counter = 0;
       *scratch_int(view, LowLatencyScratch::kSendClaim, area) = 0;
     }
-  } else if (thread >= 32 && thread < 32 + kLowLatencyStateInts) {
+  } else if (thread >= 32 && thread < 32 + kLowLatencyStateWords) {
     // What the last CTA needs, loaded by other warps while thread 0 counts (every CTA: it is not
     // known yet which is last): this rank's last send, and how many operations each area received.
     // Earlier kernels of this stream wrote them, so reading before the count sees the same values.
@@ -375,10 +384,10 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
   }
   __syncthreads();
   if (!is_last) return false;
-  const int previous_area = previous[0];
-  const int32_t previous_epoch = previous[1];  // 0: no previous operation
+  const int previous_area = static_cast<int>(previous[0]);
+  const int64_t previous_epoch = previous[1];  // 0: no previous operation
   if (thread < view.num_ranks) {
-    int32_t released[kLowLatencyAreas];
+    int64_t released[kLowLatencyAreas];
 #pragma unroll
     for (int other = 0; other < kLowLatencyAreas; ++other) {
       if (other == area) {
@@ -412,7 +421,7 @@ __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatenc
 // The receive phase's last act on the area: one more operation has been received here.
 __device__ __forceinline__ void bump_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                            int64_t area_offset) {
-  int32_t* cell = flags_cell(view, view.rank, layout, area_offset, view.rank);
+  int64_t* cell = flags_cell(view, view.rank, layout, area_offset, view.rank);
   ptx::st_relaxed_sys(cell, ptx::ld_relaxed_sys(cell) + 1);
 }
 

@@ -338,7 +338,7 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
   auto* expert_ids = reinterpret_cast<int16_t*>(shared);
   auto* lists = reinterpret_cast<int32_t*>(shared + align_up(int64_t{num_tokens} * num_topk * 2, 16));
 
-  const int32_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
+  const int64_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
   int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
   const int num_rounds = low_latency::num_send_rounds(args.num_experts, experts_per_round);
   int round = low_latency::next_send_round<kClaimed>(claims, -1);
@@ -642,16 +642,10 @@ void launch_dispatch(const LowLatencyDispatchArgs& args, Phases phases, cudaStre
   constexpr auto fused_kernel = dispatch_fused_kernel<kUseFp8, kScaleout>;
   const int send_grid = std::clamp(args.num_sms, 1, args.num_experts);
   const int recv_grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
-  // Decided from the buffer's sizing, not from this call's T: every rank must fail (or fall back to
-  // two kernels) alike, or the ranks that launched would wait for one that did not.
+  // Decided from the buffer's sizing, not from this call's T: every rank falls back to two kernels
+  // alike, or the ranks that launched one kernel would wait for one that did not. (That the send
+  // kernel fits was checked when the buffer was built: check_low_latency_dispatch_fits.)
   const int64_t worst = worst_send_bytes(args.layout);
-  if (phases != Phases::kReceive) {
-    const int64_t budget = shared_memory_of<send_kernel>().dynamic_budget;
-    EP_REQUIRE(worst <= budget, "low-latency dispatch of num_max_dispatch_tokens_per_rank=" +
-                                    std::to_string(args.layout.num_max_tokens) + " tokens x top-" +
-                                    std::to_string(args.layout.num_topk) + " does not fit in shared memory (" +
-                                    std::to_string(worst) + " > " + std::to_string(budget) + " bytes)");
-  }
   if (phases == Phases::kBoth && worst <= shared_memory_of<fused_kernel>().dynamic_budget) {
     launch_with_send_phase<fused_kernel>(args, send_grid, stream);
     EP_CHECK_LAUNCH("low_latency_dispatch");
@@ -695,6 +689,24 @@ void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int n
   EP_REQUIRE(num_topk >= 1 && num_topk <= layout.num_topk && num_topk <= kMaxTopK,
              "num_topk must be in [1, " + std::to_string(layout.num_topk) + "] (the low-latency top-k), got " +
                  std::to_string(num_topk));
+}
+
+void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleout) {
+  // The send kernel of either message type (the call picks fp8 or bf16) for this buffer's reach.
+  const int64_t budget = scaleout ? std::min(shared_memory_of<dispatch_send_kernel<true, true>>().dynamic_budget,
+                                             shared_memory_of<dispatch_send_kernel<false, true>>().dynamic_budget)
+                                  : std::min(shared_memory_of<dispatch_send_kernel<true, false>>().dynamic_budget,
+                                             shared_memory_of<dispatch_send_kernel<false, false>>().dynamic_budget);
+  const int64_t worst = worst_send_bytes(layout);
+  // routing_bytes rounds T * K * 2 (even) up to 16 bytes: at most 14 bytes more.
+  const int64_t largest = std::max<int64_t>(0, (budget - 14) / (2 * int64_t{layout.num_topk} + 4));
+  EP_REQUIRE(worst <= budget,
+             "a low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
+                 " tokens x top-" + std::to_string(layout.num_topk) + " does not fit in this GPU's shared memory (" +
+                 std::to_string(worst) + " > " + std::to_string(budget) +
+                 " bytes of routing and token list): num_max_dispatch_tokens_per_rank must be at "
+                 "most " +
+                 std::to_string(largest) + " with top-" + std::to_string(layout.num_topk));
 }
 
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {

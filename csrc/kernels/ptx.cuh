@@ -39,6 +39,12 @@ __device__ __forceinline__ int32_t ld_relaxed_sys(const int32_t* ptr) {
   return value;
 }
 
+__device__ __forceinline__ int64_t ld_relaxed_sys(const int64_t* ptr) {
+  int64_t value;
+  asm volatile("ld.relaxed.sys.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ void st_release_sys(int32_t* ptr, int32_t value) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
@@ -53,6 +59,10 @@ __device__ __forceinline__ void st_release_gpu(int32_t* ptr, int32_t value) {
 
 __device__ __forceinline__ void st_relaxed_sys(int32_t* ptr, int32_t value) {
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(int64_t* ptr, int64_t value) {
+  asm volatile("st.relaxed.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ void red_add_release_sys(int32_t* ptr, int32_t value) {

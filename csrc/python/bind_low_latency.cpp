@@ -106,6 +106,16 @@ void register_low_latency(py::module_& m) {
   m.attr("LL_SCALES_UE8M0_ROW_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0RowMajor);
   m.attr("LL_SCALES_UE8M0_COL_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0ColMajor);
 
+  m.def(
+      "check_low_latency_dispatch_fits",
+      [](int num_ranks, int64_t num_max_tokens_per_rank, int hidden, int num_experts, int num_topk, bool scaleout) {
+        check_low_latency_dispatch_fits(
+            low_latency_layout(LowLatencyRequest{num_ranks, num_max_tokens_per_rank, hidden, num_experts, num_topk}),
+            scaleout);
+      },
+      py::arg("num_ranks"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"),
+      py::arg("num_topk"), py::arg("scaleout"));
+
   const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
     return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int area,
                     std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,

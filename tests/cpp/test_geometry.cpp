@@ -196,7 +196,7 @@ TEST(LowLatency, AreaHoldsEverySectionInOrderAndAligned) {
   EXPECT_EQ(layout.dispatch_counts_offset, layout.dispatch_headers_offset + rows * 16);
   EXPECT_EQ(layout.combine_payload_offset, layout.dispatch_counts_offset + 256 * 4);
   EXPECT_EQ(layout.combine_flags_offset, layout.combine_payload_offset + 128 * 8 * 7168 * 2);
-  EXPECT_GE(layout.area_bytes, layout.combine_flags_offset + (8 + kLowLatencyStateInts) * 4);
+  EXPECT_GE(layout.area_bytes, layout.combine_flags_offset + (8 + kLowLatencyStateWords) * 8);
   EXPECT_EQ(layout.area_bytes % kWindowAlignBytes, 0);
   EXPECT_EQ(layout.region_bytes, kLowLatencyAreas * layout.area_bytes);
   EXPECT_EQ(layout.area_start(2), 2 * layout.area_bytes);
@@ -207,7 +207,7 @@ TEST(LowLatency, AreaHoldsEverySectionInOrderAndAligned) {
 // area, 16-byte aligned (transport puts move 16-byte vectors).
 TEST(LowLatency, StagingBlockEndsTheAreaAligned) {
   const LowLatencyLayout layout = low_latency_layout(128, 7168, 8, 256, 8);
-  EXPECT_GE(layout.staging_payload_offset, layout.combine_flags_offset + (8 + kLowLatencyStateInts) * 4);
+  EXPECT_GE(layout.staging_payload_offset, layout.combine_flags_offset + (8 + kLowLatencyStateWords) * 8);
   EXPECT_GE(layout.staging_scales_offset, layout.staging_payload_offset + int64_t{128} * 7168 * 2);
   EXPECT_GE(layout.staging_headers_offset, layout.staging_scales_offset + int64_t{128} * 56 * 4);
   EXPECT_GE(layout.staging_flags_offset,
@@ -227,7 +227,8 @@ TEST(ScaleoutSignals, LowLatencyIdsFollowHybridAndFit) {
   EXPECT_EQ(kMaxScaleoutSignals, kSignalLlRelease + kLowLatencyAreas * kMaxRanks);
   EXPECT_LT(kMaxScaleoutSignals, 1 << 16);
   EXPECT_GT(kFailedInputSignalFlag, int64_t{1} << 16);
-  EXPECT_LE(WorkspaceLayout::ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 4, WorkspaceLayout::bytes);
+  EXPECT_LE(WorkspaceLayout::ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 8, WorkspaceLayout::bytes);
+  EXPECT_EQ(WorkspaceLayout::ll_published_offset % 8, 0);  // int64 counts, 64-bit atomics
 }
 
 TEST(LowLatency, EmptyWhenNotRequested) { EXPECT_EQ(low_latency_layout(0, 7168, 8, 256, 8).region_bytes, 0); }

@@ -10,7 +10,8 @@ or a staging row reused too early shows as wrong data).
 The scenarios are test_low_latency.py's, unchanged: every case bitwise against the reference model
 (fp8 / bf16, hooks, async, compact and per-source rows, zero-copy combine, UE8M0 scales), CUDA
 graphs with hooks (50 replays), a slow rank that must never have unread data overwritten, and LL
-interleaved with HT (hybrid mode on these buffers). Topologies: 8 ranks as 2x4 and 4x2, 4 ranks as
+interleaved with HT (hybrid mode on these buffers), and release counts run past 2^31 and 2^32 (as
+signals and published counts across nodes). Topologies: 8 ranks as 2x4 and 4x2, 4 ranks as
 2x2; each (topology, transport) is one launch.
 """
 
@@ -57,6 +58,8 @@ def _rank_main(rank: int, num_ranks: int, group: Any, ranks_per_node: int, trans
         finally:
             buffer.destroy()
         torch.cuda.empty_cache()
+    # Across nodes the releases are signals and the published counts a workspace array: both 64-bit.
+    results["near_overflow"] = ll._counts_near_overflow(group, rank, num_ranks, num_ranks_per_node=ranks_per_node)
     return results
 
 
@@ -80,6 +83,6 @@ def test_low_latency_across_virtual_nodes_matches_the_reference_bitwise(
         dirty = result["dirty_workspace_bytes"]
         assert all(count == 0 for count in dirty.values()), (rank, dirty)
     failures = []
-    for key in ("reference", "graph_hook", "skew", "interleave"):
+    for key in ("reference", "graph_hook", "skew", "interleave", "near_overflow"):
         failures += [f"{key}: {failure}" for failure in ll._all_failures(results, key)]
     assert not failures, "\n".join(failures)

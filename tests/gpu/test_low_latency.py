@@ -8,6 +8,8 @@ torch.cuda.set_sync_debug_mode("error"), so a host synchronisation anywhere in t
 from __future__ import annotations
 
 import functools
+import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +29,12 @@ from ll_calls import (
 from rank_results import capture, guarded, launch_once
 
 import deep_ep
+from deep_ep import _C
 from deep_ep.fp8 import pack_ue8m0
 from deep_ep.low_latency import KERNEL_NAMES
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_valid_row_mask
+from deep_ep.window import window_tensor
 
 GPU_TIMEOUT_SECS = 60  # a protocol bug fails the run in a minute instead of hanging it
 GRAPH_REPLAYS = 200
@@ -637,12 +641,173 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
+LATE_CYCLES = 3_000_000_000  # about 1.5 s of GPU time on the late rank, before its combine
+SNAPSHOT_AFTER_SECS = 0.3  # when the other ranks look at their combine's output meanwhile
+
+
+def _routing_around(rank: int, num_ranks: int, spec: BufferSpec, data: Any, seed: int) -> torch.Tensor:
+    """Top-k ids for ``rank``'s tokens: those of the first half only select experts of ranks other
+    than the last (the late one), those of the second half also one expert of the last rank."""
+    generator = torch.Generator().manual_seed(seed + rank)
+    num_local = spec.experts(num_ranks) // num_ranks
+    num_topk = spec.topk(num_ranks)
+    early = (num_ranks - 1) * num_local  # experts [0, early) are not on the late rank
+    num_tokens = data.num_tokens[rank]
+    rows = []
+    for token in range(num_tokens):
+        row = torch.randperm(early, generator=generator)[:num_topk]
+        if token >= num_tokens // 2:
+            row[token % num_topk] = early + int(torch.randint(num_local, (1,), generator=generator))
+        rows.append(row)
+    return torch.stack(rows).to(torch.int64)
+
+
+def _sums_as_rows_land(rank: int, num_ranks: int, spec: BufferSpec, buffer: Any) -> list[str]:
+    """The last rank starts its combine about 1.5 s late. Every other rank looks at its combine's
+    output while the combine still waits for the late rows. A summing CTA sums its tokens once their
+    rows are in: the first half of the tokens has no expert on the late rank, and with 64 tokens of
+    H = 2048 (4 work items each, 16 per CTA) and at least 16 summing CTAs per rank, the CTAs of the
+    first half's tokens sum them meanwhile, bitwise as the reference, while no token of the second
+    half is written yet (still the NaN the output was filled with). At the end every token matches."""
+    late = rank == num_ranks - 1
+    num_experts, num_topk = spec.experts(num_ranks), spec.topk(num_ranks)
+    data = make_group_inputs(num_ranks, 64, spec.hidden, num_experts, num_topk, seed=500, uneven=False)
+    for other in range(num_ranks - 1):
+        data.topk_idx[other] = _routing_around(other, num_ranks, spec, data, 500)
+    inputs, expected = reference_case(rank, data, num_experts, spec.num_max_tokens, use_fp8=True)
+    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
+    y = ll_expert_output(recv_x, True)
+    torch.cuda.synchronize()  # every rank past its dispatch: the late rank's delay starts now
+    out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
+    filled = torch.cuda.Event()
+    filled.record()
+    if late:
+        torch.cuda._sleep(LATE_CYCLES)
+    combined, _ = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, "direct", out)
+    failures: list[str] = []
+    if not late:
+        time.sleep(SNAPSHOT_AFTER_SECS)
+        side = torch.cuda.Stream()
+        snapshot = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        with torch.cuda.stream(side):  # a copy engine reads `out` while the combine kernel runs
+            side.wait_event(filled)
+            snapshot.copy_(out, non_blocking=True)
+        side.synchronize()
+        if torch.cuda.current_stream().query():
+            failures.append("the combine had finished before the snapshot: the late rank was not late")
+        half = inputs.x.shape[0] // 2
+        wrong = (bits(snapshot[:half]) != bits(expected.combined[:half].cpu())).any(dim=1).sum().item()
+        if wrong:
+            failures.append(f"{wrong} of the {half} tokens whose rows were all in were not summed (or wrong) meanwhile")
+        if not torch.isnan(snapshot[half:].float()).all():
+            failures.append("tokens waiting for the late rank's rows were written before they arrived")
+    torch.cuda.synchronize()
+    if (bits(combined) != bits(expected.combined)).any():
+        failures.append("after the late rank's rows arrived: the combine output differs from the reference")
+    return failures
+
+
+ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
+TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
+# A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
+
+
+# Release counts seeded just below 2^31 and 2^32: the round trips below take every area's counts
+# past int32's and uint32's range (4 operations per area). Counts grow by one per operation on an
+# area and are never reset, so in serving they get there after days (docs/low_latency.md).
+NEAR_OVERFLOW_SEEDS = (2**31 - 2, 2**32 - 2)
+NEAR_OVERFLOW_ROUND_TRIPS = 6  # 12 operations, 4 on each of the 3 areas
+
+
+def _release_counts(buffer: Any) -> list[torch.Tensor]:
+    """This rank's LL release counts, a window view ``[area][rank]`` (int64; [me] counts the
+    operations received on the area)."""
+    layout = buffer._ll_layout()
+    runtime = buffer._runtime
+    views = [
+        window_tensor(
+            runtime,
+            runtime.local_base(),
+            buffer._window["ll_offset"] + area * layout["area_bytes"] + layout["combine_flags_offset"],
+            (buffer.num_ranks,),
+            torch.int64,
+            _device(),
+        )
+        for area in range(_C.LL_AREAS)
+    ]
+    return views
+
+
+def _counts_near_overflow(group: Any, rank: int, num_ranks: int, **overrides: Any) -> list[str]:
+    """A buffer whose release counts start at ``seed`` on every area of every rank, as if ``seed``
+    operations had run on each (set before any LL operation, on every rank before any rank's first):
+    every round trip still matches the reference bit for bit, and every area's receive count ends at
+    seed + 4."""
+    spec = SPECS[1][0]  # E64_H2048
+    failures = []
+    for seed in NEAR_OVERFLOW_SEEDS:
+        buffer = _make_buffer(group, spec, num_ranks, **overrides)
+        try:
+            torch.cuda.synchronize()
+            for view in _release_counts(buffer):
+                view.fill_(seed)
+            buffer.barrier(with_cpu_sync=True)  # every rank seeded before any rank's first LL kernel
+            for index in range(NEAR_OVERFLOW_ROUND_TRIPS):
+                use_fp8, mode = index % 2 == 0, ("direct", "hook", "async")[index % 3]
+                inputs, expected = _inputs_and_reference(
+                    rank, num_ranks, spec, spec.num_max_tokens, spec.topk(num_ranks), use_fp8, 900 + index
+                )
+                observed = _round_trip(buffer, spec, inputs, use_fp8, mode)
+                failures += _compare(f"counts from {seed}: round trip {index} {mode}", observed, expected, use_fp8)
+            torch.cuda.synchronize()
+            received = [int(view[rank]) for view in _release_counts(buffer)]
+            if received != [seed + 4] * _C.LL_AREAS:
+                failures.append(f"counts from {seed}: operations received per area {received}, expected {seed + 4}")
+            dirty = buffer._debug_count_dirty_workspace_bytes()
+            if dirty != 0:
+                failures.append(f"counts from {seed}: {dirty} dirty workspace bytes")
+        finally:
+            buffer.destroy()
+        torch.cuda.empty_cache()
+    return failures
+
+
 ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
 TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
 # A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
 # fits the send kernel's shared memory on an H200 (227 KiB per block, about 232,200 bytes beside the
 # kernel's own) but not the one-kernel dispatch's (about 228,200 beside the receive phase's 4 KiB).
 TOO_LARGE_FOR_ONE_KERNEL = BufferSpec("T11500_H128", 11_500, 128, 64, 8)
+
+
+# 11,700 tokens x top-8 need 234,000 bytes of routing and token list: more than the send kernel's
+# shared memory on an H200 (about 232,200 bytes).
+TOO_LARGE_FOR_SHARED_MEMORY = BufferSpec("T11700_H128", 11_700, 128, 64, 8)
+
+
+def _largest_dispatch(group: Any, rank: int, num_ranks: int) -> dict:
+    """A buffer whose largest dispatch cannot fit is refused when built, naming the largest
+    num_max_dispatch_tokens_per_rank that fits; a buffer of that size dispatches and combines a
+    full call bit for bit."""
+    spec = TOO_LARGE_FOR_SHARED_MEMORY
+    kind, message = capture(lambda: _make_buffer(group, spec, num_ranks).destroy())
+    result: dict[str, Any] = {"refused": (kind, message), "failures": []}
+    match = re.search(r"must be at most (\d+) with top-", message)
+    if match is None:
+        return result
+    largest = BufferSpec(f"T{match.group(1)}_H128", int(match.group(1)), 128, 64, 8)
+    result["largest"] = largest.num_max_tokens
+    buffer = _make_buffer(group, largest, num_ranks)
+    try:
+        inputs, expected = _inputs_and_reference(
+            rank, num_ranks, largest, largest.num_max_tokens, largest.topk(num_ranks), True, 310, uneven=False
+        )
+        observed = _round_trip(buffer, largest, inputs, True, "direct")
+        result["failures"] = _compare(f"{largest.name} full call", observed, expected, True)
+    finally:
+        buffer.destroy()
+    torch.cuda.empty_cache()
+    return result
 
 
 def _launched_kernels(run: Callable[[], Any]) -> tuple[list[str], Any]:
@@ -685,6 +850,8 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
             if spec.name == "E64_H2048":
                 results["graph"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=False)
                 results["graph_hook"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=True)
+                if num_ranks > 1:
+                    results["as_rows_land"] = _sums_as_rows_land(rank, num_ranks, spec, buffer)
             if spec.with_high_throughput:
                 results["outstanding"] = _outstanding(buffer, rank, num_ranks, spec)
                 guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
@@ -697,6 +864,8 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
         finally:
             buffer.destroy()
         torch.cuda.empty_cache()
+    results["near_overflow"] = _counts_near_overflow(group, rank, num_ranks)
+    results["largest_dispatch"] = _largest_dispatch(group, rank, num_ranks)
     buffer = _make_buffer(group, TOO_LARGE_FOR_ONE_KERNEL, num_ranks)
     try:
         # The combine has no shared memory to outgrow: it stays one kernel.
@@ -755,6 +924,13 @@ def test_a_buffer_too_large_for_one_kernel_runs_two_kernels_with_the_same_result
     """When the buffer's largest dispatch does not fit the one-kernel dispatch's shared memory, a
     dispatch without hook runs the send and receive kernels, and the results still match."""
     failures = _all_failures(ll_results, "fallback")
+    assert not failures, "\n".join(failures)
+
+
+def test_combine_sums_each_token_as_its_rows_land(ll_results: list[dict], num_ranks: int) -> None:
+    if num_ranks < 2:
+        pytest.skip("needs a late rank besides the ones that look")
+    failures = _all_failures(ll_results, "as_rows_land")
     assert not failures, "\n".join(failures)
 
 
@@ -835,6 +1011,25 @@ def test_a_slow_rank_never_has_unread_data_overwritten(ll_results: list[dict]) -
 
 def test_recv_and_wait_cost_stats_accumulate(ll_results: list[dict]) -> None:
     failures = _all_failures(ll_results, "stats")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_dispatch_too_large_for_shared_memory_is_refused_when_the_buffer_is_built(
+    ll_results: list[dict],
+) -> None:
+    """Refused at construction with the largest size that fits; that size runs a full call exactly."""
+    spec = TOO_LARGE_FOR_SHARED_MEMORY
+    for rank, result in enumerate(ll_results):
+        kind, message = result["largest_dispatch"]["refused"]
+        assert kind == "ValueError" and "does not fit in this GPU's shared memory" in message, (rank, kind, message)
+        assert spec.num_max_tokens - 1_000 < result["largest_dispatch"]["largest"] < spec.num_max_tokens, message
+        assert not result["largest_dispatch"]["failures"], "\n".join(result["largest_dispatch"]["failures"])
+
+
+def test_release_counts_past_int32_and_uint32_keep_results_exact(ll_results: list[dict]) -> None:
+    """The never-reset release counts run past 2^31 and 2^32 on every area: results stay bitwise
+    equal to the reference and the counts keep counting (64-bit)."""
+    failures = _all_failures(ll_results, "near_overflow")
     assert not failures, "\n".join(failures)
 
 
