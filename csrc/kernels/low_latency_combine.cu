@@ -222,122 +222,57 @@ __host__ __device__ __forceinline__ int reduce_ctas(int num_tokens, int hidden) 
   return static_cast<int>(num_items > kRecvWarps ? (num_items + kRecvWarps - 1) / kRecvWarps : 1);
 }
 
-// Waits (or masks, as wait_or_mask) until arrival cell `cell_index` = (l, s) of this operation is
-// in; `value` gets what it carried (count + 1, plus kFailedInputSignalFlag when the source's input
-// failed). Across nodes the cell is the (area, l, s) signal, compared with its shadow (advanced by
-// the last CTA only, in finish_cells).
-__device__ __forceinline__ WaitResult wait_cell(const LowLatencyCombineArgs& args, int cell_index, int64_t* value) {
-  const DeviceView& view = args.view;
-  const int num_ranks = view.num_ranks;
-  const int source = cell_index % num_ranks;
-  if (low_latency::via_transport(view, source)) {
-    const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
-    return low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, id,
-                                            *scaleout::shadow_cell(view, id), value);
-  }
-  const int32_t* cell =
-      low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, cell_index / num_ranks, source);
-  return wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1, [&](int64_t& seen) {
-    seen = ptx::ld_acquire_sys(cell);
-    *value = seen;
-    return seen != 0;
-  });
-}
-
-// The grid's last CTA, after every other CTA has stopped waiting: waits for every cell of the
-// operation (those no CTA needed may still be on their way; the rest are in, one load each),
-// records the sources whose input failed, and resets the cells (advances the signals' shadows) for
-// the area's next operation. The senders write them again only after this rank's next operation
-// on the area has started (after this kernel). Returns false on timeout (the error is recorded).
-__device__ __forceinline__ bool finish_cells(const LowLatencyCombineArgs& args) {
-  __shared__ int failed;
-  const DeviceView& view = args.view;
-  const int num_ranks = view.num_ranks;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  for (int cell_index = threadIdx.x; cell_index < args.layout.num_local_experts * num_ranks; cell_index += blockDim.x) {
-    const int source = cell_index % num_ranks;
-    int64_t value = 0;
-    const WaitResult result = wait_cell(args, cell_index, &value);
-    if (result == WaitResult::kFailed) {
-      atomicExch(&failed, 1);
-      continue;
-    }
-    if (result == WaitResult::kArrived && value >= kFailedInputSignalFlag) {
-      record_peer_failed(view, Operation::kLlCombine, source);
-    }
-    if (low_latency::via_transport(view, source)) {
-      // The signal holds exactly this operation's addition (the source's next one needs this
-      // rank's release of the area, after this kernel); a masked source's is not consumed.
-      if (result == WaitResult::kArrived) {
-        uint64_t* shadow =
-            scaleout::shadow_cell(view, low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source));
-        *shadow += static_cast<uint64_t>(value);
-      }
-    } else {
-      ptx::st_relaxed_sys(
-          low_latency::arrival_cell(view, view.rank, args.layout, args.area_offset, cell_index / num_ranks, source), 0);
-    }
-  }
-  __syncthreads();
-  return failed == 0;
-}
-
-// The receive phase. A CTA that sums rows (every CTA of the receive kernel, the first reduce_ctas
-// of the one-kernel combine, `kFused`) waits only for the arrival cells its own tokens need: it
-// marks the cell of every expert its tokens selected in a shared bitmap, then waits for the marked
-// cells in one parallel pass, and sums. A slow source then holds up only the CTAs whose tokens have
-// rows from it; the others sum meanwhile. With rank masking, or with wait-cost statistics (DeepEP
-// accounts every source's wait), every summing CTA waits for every cell instead. The grid's last
-// CTA to finish waiting (or, a CTA that sums nothing, its send phase) then finishes the cells
-// (finish_cells) and bumps the area's epoch: by then every CTA has read the epoch.
+// The receive phase. Every CTA that sums rows (all of the receive kernel's, the first reduce_ctas
+// of the one-kernel combine's, `kFused`) waits for all L * R arrival cells (a token may have rows
+// from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to finish
+// its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen every
+// cell and read the epoch. Then the warps reduce the K slots of each token.
 template <bool kFused>
 __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
-  __shared__ uint32_t needed[kMaxExperts / 32];  // bit (l * R + s): a token of this CTA has a row there
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
   const int num_cells = layout.num_local_experts * num_ranks;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
-  const bool every_cell = args.rank_mask != nullptr || args.wait_cost_stats != nullptr;
 
   if (receives) {
     clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
     if (threadIdx.x == 0) failed = 0;
-    if (!every_cell) {
-      for (int word = threadIdx.x; word < (num_cells + 31) / 32; word += blockDim.x) needed[word] = 0;
-      __syncthreads();
-      // 32-bit index math (64-bit division is a long subroutine): a buffer's largest call has far
-      // fewer than 2^31 (item, slot) pairs (its routing must fit in shared memory).
-      const int chunks_per_token = reduce_chunks_per_token(args.hidden);
-      const int num_items = args.num_tokens * chunks_per_token;
-      const int per_round = static_cast<int>(gridDim.x) * kRecvWarps;
-      const int num_pairs = (num_items + per_round - 1) / per_round * kRecvWarps * args.num_topk;
-      // One (item, top-k slot) per thread, all loads in flight together. An id outside [0, E) has
-      // no row (the summing treats it as -1 and records it); a repeated id marks its cell twice.
-      for (int pair = threadIdx.x; pair < num_pairs; pair += blockDim.x) {
-        const int q = pair / args.num_topk;  // the CTA's item q: warp q % kRecvWarps, its round q / kRecvWarps
-        const int item =
-            (static_cast<int>(blockIdx.x) + q / kRecvWarps * static_cast<int>(gridDim.x)) * kRecvWarps + q % kRecvWarps;
-        if (item >= num_items) continue;
-        const int64_t expert =
-            args.topk_idx[int64_t{item / chunks_per_token} * args.num_topk + (pair - q * args.num_topk)];
-        if (expert < 0 || expert >= args.num_experts) continue;
-        const int cell = static_cast<int>(expert) % layout.num_local_experts * num_ranks +
-                         static_cast<int>(expert) / layout.num_local_experts;
-        atomicOr(&needed[cell / 32], 1u << (cell % 32));
-      }
-    }
     __syncthreads();
     const long long start = clock64();
     for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
-      if (!every_cell && ((needed[cell_index / 32] >> (cell_index % 32)) & 1u) == 0) continue;
-      int64_t value = 0;
-      if (wait_cell(args, cell_index, &value) == WaitResult::kFailed) atomicExch(&failed, 1);
+      const int source = cell_index % num_ranks;
+      WaitResult result;
+      if (low_latency::via_transport(view, source)) {
+        // Across nodes: the (area, l, s) signal grew past its shadow (advanced by the last CTA below).
+        const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+        int64_t delta = 0;
+        result = low_latency::wait_arrival_signal(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive,
+                                                  source, id, *scaleout::shadow_cell(view, id), &delta);
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && delta >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
+        }
+      } else {
+        const int32_t* cell =
+            low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source);
+        int32_t value = 0;
+        result = wait_or_mask(view, args.rank_mask, Operation::kLlCombine, Phase::kDataArrive, source, 1,
+                              [&](int64_t& seen) {
+                                value = ptx::ld_acquire_sys(cell);
+                                seen = value;
+                                return value != 0;
+                              });
+        if (result == WaitResult::kArrived && blockIdx.x == 0 && value >= kFailedInputSignalFlag) {
+          record_peer_failed(view, Operation::kLlCombine, source);
+        }
+      }
+      if (result == WaitResult::kFailed) atomicExch(&failed, 1);
       // Every CTA waits for every cell: CTA 0 alone accounts the wait (DeepEP's per-source sum).
       if (args.wait_cost_stats != nullptr && blockIdx.x == 0) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + cell_index % num_ranks),
+        atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_cost_stats + source),
                   static_cast<unsigned long long>(clock64() - start));
       }
     }
@@ -347,13 +282,26 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   }
 
   if (low_latency::last_to_finish(view, args.area)) {
-    if (!finish_cells(args)) return;
+    // Every CTA that waits has seen every cell; the senders write them again only after this
+    // rank's next operation on the area has started (after this kernel).
+    for (int cell_index = threadIdx.x; cell_index < num_cells; cell_index += blockDim.x) {
+      const int source = cell_index % num_ranks;
+      if (low_latency::via_transport(view, source)) {
+        // The signal holds exactly this operation's addition (the source's next one needs this
+        // rank's release of the area, after this kernel); a masked source's is not consumed.
+        if (!peer_masked(args.rank_mask, source)) {
+          const int id = low_latency::arrival_signal(view, args.area, cell_index / num_ranks, source);
+          *scaleout::shadow_cell(view, id) = scaleout::read_own_signal(view, id);
+        }
+        continue;
+      }
+      ptx::st_relaxed_sys(
+          low_latency::arrival_cell(view, view.rank, layout, args.area_offset, cell_index / num_ranks, source), 0);
+    }
     if (threadIdx.x == 0) low_latency::bump_epoch(view, layout, args.area_offset);
   }
   if (!receives) return;
 
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
   const int num_vectors = args.hidden / 8;
   const int chunk_vectors = 32 * kReduceUnroll;
   const int chunks_per_token = reduce_chunks_per_token(args.hidden);

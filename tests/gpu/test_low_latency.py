@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -641,77 +640,6 @@ def _cuda_graph(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, with_h
     return failures
 
 
-LATE_CYCLES = 3_000_000_000  # about 1.5 s of GPU time on the late rank, before its combine
-SNAPSHOT_AFTER_SECS = 0.3  # when the other ranks look at their combine's output meanwhile
-
-
-def _routing_around(rank: int, num_ranks: int, spec: BufferSpec, data: Any, seed: int) -> torch.Tensor:
-    """Top-k ids for ``rank``'s tokens: those of the first half only select experts of ranks other
-    than the last (the late one), those of the second half also one expert of the last rank."""
-    generator = torch.Generator().manual_seed(seed + rank)
-    num_local = spec.experts(num_ranks) // num_ranks
-    num_topk = spec.topk(num_ranks)
-    early = (num_ranks - 1) * num_local  # experts [0, early) are not on the late rank
-    num_tokens = data.num_tokens[rank]
-    rows = []
-    for token in range(num_tokens):
-        row = torch.randperm(early, generator=generator)[:num_topk]
-        if token >= num_tokens // 2:
-            row[token % num_topk] = early + int(torch.randint(num_local, (1,), generator=generator))
-        rows.append(row)
-    return torch.stack(rows).to(torch.int64)
-
-
-def _sums_as_rows_land(rank: int, num_ranks: int, spec: BufferSpec, buffer: Any) -> list[str]:
-    """The last rank starts its combine about 1.5 s late. Every other rank looks at its combine's
-    output while the combine still waits for the late rows. A summing CTA sums its tokens once their
-    rows are in: the first half of the tokens has no expert on the late rank, and with 64 tokens of
-    H = 2048 (4 work items each, 16 per CTA) and at least 16 summing CTAs per rank, the CTAs of the
-    first half's tokens sum them meanwhile, bitwise as the reference, while no token of the second
-    half is written yet (still the NaN the output was filled with). At the end every token matches."""
-    late = rank == num_ranks - 1
-    num_experts, num_topk = spec.experts(num_ranks), spec.topk(num_ranks)
-    data = make_group_inputs(num_ranks, 64, spec.hidden, num_experts, num_topk, seed=500, uneven=False)
-    for other in range(num_ranks - 1):
-        data.topk_idx[other] = _routing_around(other, num_ranks, spec, data, 500)
-    inputs, expected = reference_case(rank, data, num_experts, spec.num_max_tokens, use_fp8=True)
-    recv_x, _, handle = _dispatch(buffer, spec, inputs, True, "direct")
-    y = ll_expert_output(recv_x, True)
-    torch.cuda.synchronize()  # every rank past its dispatch: the late rank's delay starts now
-    out = torch.full((inputs.x.shape[0], spec.hidden), float("nan"), dtype=torch.bfloat16, device=inputs.x.device)
-    filled = torch.cuda.Event()
-    filled.record()
-    if late:
-        torch.cuda._sleep(LATE_CYCLES)
-    combined, _ = ll_combine_call(buffer, y, inputs.topk_idx, inputs.topk_weights, handle, "direct", out)
-    failures: list[str] = []
-    if not late:
-        time.sleep(SNAPSHOT_AFTER_SECS)
-        side = torch.cuda.Stream()
-        snapshot = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        with torch.cuda.stream(side):  # a copy engine reads `out` while the combine kernel runs
-            side.wait_event(filled)
-            snapshot.copy_(out, non_blocking=True)
-        side.synchronize()
-        if torch.cuda.current_stream().query():
-            failures.append("the combine had finished before the snapshot: the late rank was not late")
-        half = inputs.x.shape[0] // 2
-        wrong = (bits(snapshot[:half]) != bits(expected.combined[:half].cpu())).any(dim=1).sum().item()
-        if wrong:
-            failures.append(f"{wrong} of the {half} tokens whose rows were all in were not summed (or wrong) meanwhile")
-        if not torch.isnan(snapshot[half:].float()).all():
-            failures.append("tokens waiting for the late rank's rows were written before they arrived")
-    torch.cuda.synchronize()
-    if (bits(combined) != bits(expected.combined)).any():
-        failures.append("after the late rank's rows arrived: the combine output differs from the reference")
-    return failures
-
-
-ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
-TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
-# A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
-
-
 # Release counts seeded just below 2^31 and 2^32: the round trips below take every area's counts
 # past int32's and uint32's range (4 operations per area). Counts grow by one per operation on an
 # area and are never reset, so in serving they get there after days (docs/low_latency.md).
@@ -850,8 +778,6 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
             if spec.name == "E64_H2048":
                 results["graph"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=False)
                 results["graph_hook"] = _cuda_graph(buffer, rank, num_ranks, spec, with_hook=True)
-                if num_ranks > 1:
-                    results["as_rows_land"] = _sums_as_rows_land(rank, num_ranks, spec, buffer)
             if spec.with_high_throughput:
                 results["outstanding"] = _outstanding(buffer, rank, num_ranks, spec)
                 guarded(results, "bad_inputs", lambda b=buffer, s=spec: _bad_inputs(b, s))
@@ -924,13 +850,6 @@ def test_a_buffer_too_large_for_one_kernel_runs_two_kernels_with_the_same_result
     """When the buffer's largest dispatch does not fit the one-kernel dispatch's shared memory, a
     dispatch without hook runs the send and receive kernels, and the results still match."""
     failures = _all_failures(ll_results, "fallback")
-    assert not failures, "\n".join(failures)
-
-
-def test_combine_sums_each_token_as_its_rows_land(ll_results: list[dict], num_ranks: int) -> None:
-    if num_ranks < 2:
-        pytest.skip("needs a late rank besides the ones that look")
-    failures = _all_failures(ll_results, "as_rows_land")
     assert not failures, "\n".join(failures)
 
 
