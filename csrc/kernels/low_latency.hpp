@@ -149,14 +149,14 @@ void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStre
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 
-// Host checks both LL operations share: the call must match what the buffer's LL region was
-// sized for. Throws std::invalid_argument naming the argument, the value and the rule.
 // Throws std::invalid_argument when the largest dispatch of a buffer of `layout` (its routing and
 // token list are staged in shared memory) does not fit this device's send kernel (`scaleout`: the
 // variant that reaches other nodes through the transport). On the current device; checked when a
 // buffer is built, so that no call can fail on it later.
 void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleout);
 
+// Host checks both LL operations share: the call must match what the buffer's LL region was
+// sized for. Throws std::invalid_argument naming the argument, the value and the rule.
 void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
                             int num_topk);
 

@@ -700,13 +700,12 @@ void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleo
   const int64_t worst = worst_send_bytes(layout);
   // routing_bytes rounds T * K * 2 (even) up to 16 bytes: at most 14 bytes more.
   const int64_t largest = std::max<int64_t>(0, (budget - 14) / (2 * int64_t{layout.num_topk} + 4));
+  const std::string top_k = "top-" + std::to_string(layout.num_topk);
   EP_REQUIRE(worst <= budget,
              "a low-latency dispatch of num_max_dispatch_tokens_per_rank=" + std::to_string(layout.num_max_tokens) +
-                 " tokens x top-" + std::to_string(layout.num_topk) + " does not fit in this GPU's shared memory (" +
-                 std::to_string(worst) + " > " + std::to_string(budget) +
-                 " bytes of routing and token list): num_max_dispatch_tokens_per_rank must be at "
-                 "most " +
-                 std::to_string(largest) + " with top-" + std::to_string(layout.num_topk));
+                 " tokens x " + top_k + " does not fit in this GPU's shared memory (" + std::to_string(worst) + " > " +
+                 std::to_string(budget) + " bytes of routing and token list): " +
+                 "num_max_dispatch_tokens_per_rank must be at most " + std::to_string(largest) + " with " + top_k);
 }
 
 void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
