@@ -648,11 +648,11 @@ NEAR_OVERFLOW_ROUND_TRIPS = 6  # 12 operations, 4 on each of the 3 areas
 
 
 def _release_counts(buffer: Any) -> list[torch.Tensor]:
-    """This rank's LL release counts, a window view ``[area][rank]`` (int64; [me] counts the
-    operations received on the area)."""
+    """This rank's LL release counts: per area, an int64 window view of one count per rank ([me]
+    counts the operations received on the area)."""
     layout = buffer._ll_layout()
     runtime = buffer._runtime
-    views = [
+    return [
         window_tensor(
             runtime,
             runtime.local_base(),
@@ -663,7 +663,6 @@ def _release_counts(buffer: Any) -> list[torch.Tensor]:
         )
         for area in range(_C.LL_AREAS)
     ]
-    return views
 
 
 def _counts_near_overflow(group: Any, rank: int, num_ranks: int, **overrides: Any) -> list[str]:
