@@ -56,6 +56,15 @@ class EventOverlap:
             self.current_stream_wait()
 
 
+def event_or_none(previous_event: Any) -> Any:
+    """``previous_event`` as the calls use it: an ``EventOverlap`` that holds no event (what a
+    synchronous call returns, and what clients such as Megatron pass on) means no event, as in
+    DeepEP. Anything else is returned unchanged for the call's own type check."""
+    if isinstance(previous_event, EventOverlap) and previous_event.event is None:
+        return None
+    return previous_event
+
+
 @functools.cache
 def _cuda_present() -> bool:
     # torch.cuda.is_available() reads the environment and counts devices on every call (a few µs

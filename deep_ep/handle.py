@@ -125,6 +125,44 @@ class EPHandle:
             self._v2_src_metadata = (info, metadata)
         return metadata
 
+    @recv_src_metadata.setter
+    def recv_src_metadata(self, metadata: torch.Tensor) -> None:
+        """Assign V2's source record, as V2's handle allows (e.g. its first ``n`` rows after a
+        dispatch without CPU sync). The rows given become what combine and cached dispatch use:
+        ``recv_src_info`` (and the expanded row map in expand mode) is rebuilt from them; rows past
+        them, beyond the received count, are kept."""
+        info = self.recv_src_info
+        columns = self.num_topk + 2
+        if (
+            not isinstance(metadata, torch.Tensor)
+            or metadata.dtype != torch.int32
+            or metadata.dim() != 2
+            or metadata.shape[1] != columns
+            or metadata.shape[0] > info.shape[0]
+            or metadata.device != info.device
+        ):
+            got = (
+                f"{str(metadata.dtype).removeprefix('torch.')} {list(metadata.shape)} on {metadata.device}"
+                if isinstance(metadata, torch.Tensor)
+                else type(metadata).__name__
+            )
+            raise ValueError(
+                f"recv_src_metadata must be int32 [n, {columns}] with n <= {info.shape[0]} on {info.device} "
+                f"(the dispatch's record or its first rows), got {got}"
+            )
+        rows = metadata.shape[0]
+        rebuilt = info.clone()
+        source_rank = torch.div(metadata[:, 0], self.num_max_tokens_per_rank, rounding_mode="floor")
+        rebuilt[:rows, 0] = source_rank
+        rebuilt[:rows, 1] = metadata[:, 0] - source_rank * self.num_max_tokens_per_rank
+        rebuilt[:rows, 3] = metadata[:, 1] - source_rank * self.num_topk
+        if self.do_expand and self.recv_expanded_row_idx is not None:
+            expanded = self.recv_expanded_row_idx.clone()
+            expanded[:rows] = metadata[:, 2:]
+            self.recv_expanded_row_idx = expanded
+        self.recv_src_info = rebuilt
+        self._v2_src_metadata = (rebuilt, metadata)
+
     @property
     def tokens_per_node(self) -> torch.Tensor | None:
         """Hybrid mode: this rank's tokens holding an expert on each node [N] (device), else None."""

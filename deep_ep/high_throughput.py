@@ -24,7 +24,7 @@ import torch
 
 from deep_ep import _C
 from deep_ep.errors import BufferTooSmallError
-from deep_ep.event import EventOverlap, stream_capturing
+from deep_ep.event import EventOverlap, event_or_none, stream_capturing
 from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
 from deep_ep.fp8 import pack_ue8m0_unchecked, unpack_ue8m0
 from deep_ep.handle import EPHandle
@@ -372,6 +372,8 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("dispatch" if handle is None else "dispatch (cached)")
+        previous_event = event_or_none(previous_event)
+        previous_event_before_epilogue = event_or_none(previous_event_before_epilogue)
         if handle is None and (do_cpu_sync is None or bool(do_cpu_sync)) and stream_capturing():
             # Before any launch: nothing of this call runs during capture, so no peer waits for it.
             raise RuntimeError(
@@ -881,6 +883,8 @@ class HighThroughputMixin:
         """
         self._ensure_usable()
         self._check_fatal_errors("combine")
+        previous_event = event_or_none(previous_event)
+        previous_event_before_epilogue = event_or_none(previous_event_before_epilogue)
         if (
             self._ht_host_path is not None
             and type(handle) is EPHandle
@@ -1523,7 +1527,3 @@ class HighThroughputMixin:
             return
         if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        if isinstance(previous_event, EventOverlap) and previous_event.event is None:
-            raise ValueError(
-                "previous_event holds no event (got EventOverlap(event=None), the result of a synchronous call)"
-            )

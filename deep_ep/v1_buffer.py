@@ -32,11 +32,16 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   weights of -1 slots are zeroed (the core forwards all K). With ``num_worst_tokens > 0`` there is no
   CPU sync: outputs have exactly ``num_worst_tokens`` rows, rows past the received count have
   ``recv_topk_idx = -1`` and weight 0.
+* **Routing by rank.** A dispatch without ``topk_idx`` (DeepEP's own tests start with one) sends
+  each token to the ranks ``is_token_in_rank`` marks (:func:`routing_from_ranks`: one expert id
+  per marked rank) and counts experts from ``num_tokens_per_expert`` as V1 does (one all-gather over
+  the group when it syncs with the CPU).
 * **Handles.** :class:`DispatchHandle` wraps the core's ``EPHandle``; it is accepted back by
   ``dispatch(handle=)`` and ``combine`` and indexable like V1's tuple where we can give V1's value
-  exactly (see its docstring). V1's ``rank_prefix_matrix`` is not known locally (each rank learns
-  only what it receives); ``handle[0]`` raises ``IndexError`` saying so, and
-  :meth:`Buffer.gather_rank_prefix_matrix` computes it with one explicit collective.
+  exactly (see its docstring). V1's ``rank_prefix_matrix`` (``handle[0]``) is known after a
+  dispatch without ``topk_idx`` (its count exchange gathers every rank's send counts); after one
+  with ``topk_idx`` each rank learns only what it receives, so ``handle[0]`` raises ``IndexError``
+  saying so, and :meth:`Buffer.gather_rank_prefix_matrix` computes it with one explicit collective.
 * **Streams.** As V1: kernels on the communication stream; ``async_finish`` returns an event
   (``async_with_compute_stream`` in the core), otherwise the caller's stream waits. With
   ``previous_event`` the comm stream waits for that event only, so new tensors are allocated on the
@@ -47,11 +52,15 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   is built with ``enable_rank_masking``; a low-latency wait that times out masks the peer instead
   of failing, and the ``low_latency_*_mask_buffer`` calls update, query and clean the mask (before
   the first LL call the mask is kept here and applied when the window is built).
-* **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): ``allow_mnnvl``,
-  ``use_fabric``, ``comm``, ``use_logfmt``, and a dispatch without ``topk_idx``.
-  Accepted without effect: ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` (no RDMA
-  queue pairs exist here; every LL peer is load/store reachable) and the chunk sizes of a V1
-  ``Config`` (V1's ring-buffer tuning; only ``config.num_sms`` maps onto the core).
+* **Permissions and tuning** accepted as V1 clients pass them: ``allow_mnnvl`` and ``use_fabric``
+  permit load/store sharing across a multi-node NVLink domain and fabric memory handles; the core
+  shares windows wherever the ranks are load/store reachable (one host here) and runs hybrid mode
+  between hosts, so on one host they change nothing. ``num_qps_per_rank`` and
+  ``allow_nvlink_for_low_latency_mode`` (no RDMA queue pairs exist here; every LL peer is load/store
+  reachable) and the chunk sizes of a V1 ``Config`` (V1's ring-buffer tuning; only ``config.num_sms``
+  maps onto the core) are accepted without effect.
+* **Not backed** (raise ``NotImplementedError`` naming the option, never ignored): ``comm`` and
+  ``use_logfmt``.
 
 Failure semantics are the core's (docs/api.md, "When something goes wrong"): when this layer refuses
 a call's arguments it first takes part in the operation without data, like the core does, so the
@@ -77,7 +86,7 @@ import torch.distributed as dist
 from deep_ep import _C
 from deep_ep.buffer import ElasticBuffer
 from deep_ep.errors import BufferTooSmallError, PeerInputError
-from deep_ep.event import EventOverlap, stream_capturing
+from deep_ep.event import EventOverlap, event_or_none, stream_capturing
 from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle, check_rank_to_mask
 from deep_ep.plan.budget import largest_fitting
@@ -93,6 +102,7 @@ __all__ = [
     "fit_rows",
     "low_latency_window_bytes",
     "mask_rows_past",
+    "routing_from_ranks",
     "sass_architectures",
     "token_capacity",
     "v1_dispatch_outputs",
@@ -110,23 +120,8 @@ _MAX_CAPACITY = 1 << 40
 # --------------------------------------------------------------------------- pure helpers (no GPU)
 
 
-def check_unbacked_options(
-    *,
-    allow_mnnvl: bool = False,
-    use_fabric: bool = False,
-    comm: Any = None,
-) -> None:
+def check_unbacked_options(*, comm: Any = None) -> None:
     """Raise NotImplementedError naming the first V1 constructor option the core does not back."""
-    if allow_mnnvl:
-        raise NotImplementedError(
-            "Buffer(allow_mnnvl=True) is not implemented: multi-node NVLink domains (ranks of several hosts "
-            "sharing load/store memory) are not supported; ranks on several hosts use the hybrid HT mode"
-        )
-    if use_fabric:
-        raise NotImplementedError(
-            "Buffer(use_fabric=True) is not implemented: windows are shared through NCCL windows or CUDA IPC, "
-            "not fabric memory handles"
-        )
     if comm is not None:
         raise NotImplementedError(
             f"Buffer(comm={type(comm).__name__}) is not implemented: pass a torch.distributed process group as "
@@ -239,6 +234,17 @@ def _check_layout_inputs(topk_idx: Any, num_experts: Any, num_ranks: int, num_ra
     if per_node < 1 or num_ranks % per_node != 0:
         raise ValueError(f"num_ranks_per_node must divide the group size {num_ranks}, got {num_ranks_per_node}")
     return per_node
+
+
+def routing_from_ranks(is_token_in_rank: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[T, R]`` expert ids that send each token exactly to the ranks ``is_token_in_rank``
+    marks: lane ``r`` holds rank ``r``'s first expert, or -1. What a V1 dispatch without ``topk_idx``
+    routes by (the core routes by expert ids; one id per marked rank reaches that rank once)."""
+    num_ranks = is_token_in_rank.shape[1]
+    first_experts = torch.arange(num_ranks, dtype=torch.int64, device=is_token_in_rank.device) * (
+        num_experts // num_ranks
+    )
+    return torch.where(is_token_in_rank, first_experts, torch.full_like(first_experts, -1))
 
 
 def zero_foreign_weights(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor) -> torch.Tensor:
@@ -402,9 +408,10 @@ class DispatchHandle:
     naming what is missing (iteration and unpacking raise TypeError: V1's tuple cannot be rebuilt).
     One node (V1's intranode tuple, ``len == 6``): ``[3]`` ``recv_src_idx`` int32 [N] (source token
     of each received row) and ``[4]`` ``is_token_in_rank`` bool [T, R]; ``[0]``
-    (``rank_prefix_matrix``) raises, see :attr:`recv_rank_prefix_sum` and
-    :meth:`Buffer.gather_rank_prefix_matrix`. Several nodes (hybrid mode; V1's internode tuple,
-    ``len == 10``): ``[0]`` ``is_token_in_rank`` and ``[6]`` ``recv_gbl_rank_prefix_sum`` int32 [R].
+    (``rank_prefix_matrix`` int32 [R, R]) after a CPU-synced dispatch without ``topk_idx``, else it
+    raises, see :attr:`recv_rank_prefix_sum` and :meth:`Buffer.gather_rank_prefix_matrix`. Several
+    nodes (hybrid mode; V1's internode tuple, ``len == 10``): ``[0]`` ``is_token_in_rank`` and
+    ``[6]`` ``recv_gbl_rank_prefix_sum`` int32 [R]; ``rank_prefix_matrix`` as an attribute.
     The tensors are valid once the dispatch's event completed, like every output.
 
     ``num_recv_tokens`` is the row count of the dispatch's outputs (``num_worst_tokens`` when given).
@@ -418,12 +425,14 @@ class DispatchHandle:
         num_worst_tokens: int,
         rank: int,
         is_token_in_rank: torch.Tensor | None = None,
+        rank_prefix_matrix: torch.Tensor | None = None,
     ) -> None:
         self.core = core
         self.num_recv_tokens = num_recv_tokens
         self.num_worst_tokens = num_worst_tokens
         self.rank = rank
         self._is_token_in_rank = is_token_in_rank
+        self.rank_prefix_matrix = rank_prefix_matrix
 
     @property
     def num_ranks(self) -> int:
@@ -467,7 +476,7 @@ class DispatchHandle:
         """(name, getter or None) in V1's tuple order."""
         if not self.internode:
             return [
-                ("rank_prefix_matrix", None),
+                ("rank_prefix_matrix", None if self.rank_prefix_matrix is None else lambda: self.rank_prefix_matrix),
                 ("channel_prefix_matrix", None),
                 ("recv_channel_prefix_matrix", None),
                 ("recv_src_idx", lambda: self.recv_src_idx),
@@ -504,7 +513,8 @@ class DispatchHandle:
         kind = "internode" if self.internode else "intranode"
         if name == "rank_prefix_matrix":
             reason = (
-                f"needs every rank's send counts, but each rank here learns only what it receives: column "
+                f"needs every rank's send counts, which a dispatch with topk_idx does not exchange (a dispatch "
+                f"without topk_idx and with a CPU sync does): column "
                 f"{self.rank} of it is handle.recv_rank_prefix_sum (exact); Buffer.gather_rank_prefix_matrix(handle) "
                 "builds the whole matrix with one all-gather over the group (collective)"
             )
@@ -622,9 +632,10 @@ class Buffer:
     run on every rank, outside CUDA-graph capture (RuntimeError there); later LL calls may be
     captured.
 
-    ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` are accepted and recorded (no RDMA
-    queue pairs here; LL peers are load/store reachable). ``allow_mnnvl``, ``use_fabric`` and
-    ``comm`` raise NotImplementedError before anything is allocated (:func:`check_unbacked_options`);
+    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` and ``use_fabric`` are
+    accepted and recorded (no RDMA queue pairs here; LL peers are load/store reachable; the last two
+    are permissions, see the module docstring). ``comm`` raises NotImplementedError before anything
+    is allocated (:func:`check_unbacked_options`);
     ``enable_shrink`` (rank masking) needs ``low_latency_mode=True``.
 
     ``explicitly_destroy`` as V1: True means the caller releases the buffer with :meth:`destroy`
@@ -657,7 +668,7 @@ class Buffer:
         comm: Any = None,
     ) -> None:
         self._core: ElasticBuffer | None = None
-        check_unbacked_options(allow_mnnvl=allow_mnnvl, use_fabric=use_fabric, comm=comm)
+        check_unbacked_options(comm=comm)
         if enable_shrink and not low_latency_mode:
             raise ValueError(
                 "Buffer(enable_shrink=True) masks failed ranks in low-latency operations: it needs "
@@ -764,8 +775,6 @@ class Buffer:
             return
         if not isinstance(previous_event, (EventOverlap, torch.cuda.Event)):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        if isinstance(previous_event, EventOverlap) and previous_event.event is None:
-            raise ValueError("previous_event holds no event (EventOverlap(None), the result of a synchronous call)")
 
     def _row_major_scales(self, x: Any, previous_event: Any) -> Any:
         """x with fp8 scales made row-major contiguous (V1 accepts any strides; the core reads rows).
@@ -846,6 +855,7 @@ class Buffer:
         device (:func:`dispatch_layout`; no CPU sync). With ``previous_event``, ``async_finish`` or
         ``allocate_on_comm_stream`` the work runs on the communication stream, as V1's kernel does."""
         core = self._usable_core()
+        previous_event = event_or_none(previous_event)
         self._check_stream_options(previous_event)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.device != core._torch_device:
             raise ValueError(
@@ -907,9 +917,14 @@ class Buffer:
         handle, event)``.
 
         ``x``: bf16 ``[T, H]`` or ``(fp8 [T, H], fp32 scales [T, H/128])``, scales of any strides.
-        ``num_tokens_per_expert`` (int [E]) gives ``E`` and is required, as in V1; ``topk_idx`` int64
-        ``[T, K]`` is required (routing by ``is_token_in_rank`` alone raises NotImplementedError). The
-        layout arguments are checked for shape only; the core recomputes the layout from ``topk_idx``.
+        ``num_tokens_per_expert`` (int [E]) gives ``E`` and is required, as in V1. With ``topk_idx``
+        (int64 ``[T, K]``) the layout arguments are checked for shape only; the core recomputes the
+        layout from ``topk_idx``. Without it (V1's routing by rank) each token goes to the ranks
+        ``is_token_in_rank`` marks (R <= 32), ``recv_topk_idx`` / ``recv_topk_weights`` are None,
+        combine sums the rows of every receiving rank, and ``num_recv_tokens_per_expert_list`` is the
+        sum over ranks of their ``num_tokens_per_expert`` for this rank's experts, aligned, as V1's;
+        with a CPU sync that takes one all-gather over the group, which also gives the handle its
+        ``rank_prefix_matrix`` (``handle[0]``).
         Rows arrive ordered by (source rank, source token). ``recv_topk_idx`` int64 ``[N, K]``: local
         expert ids, -1 elsewhere; ``recv_topk_weights`` fp32 ``[N, K]``, 0 where ``recv_topk_idx`` is
         -1. ``num_recv_tokens_per_expert_list``: per local expert, rounded up to ``expert_alignment``
@@ -929,6 +944,7 @@ class Buffer:
         BufferTooSmallError (after taking part without data: its peers get PeerInputError).
         """
         core = self._usable_core()
+        previous_event = event_or_none(previous_event)
         if handle is not None:
             return self._cached_dispatch(
                 core, x, handle, topk_idx, topk_weights, config, previous_event, async_finish, allocate_on_comm_stream
@@ -953,11 +969,9 @@ class Buffer:
                     "num_tokens_per_expert must be given (V1's dispatch learns the number of experts from its "
                     "length; get_dispatch_layout returns it)"
                 )
-            if topk_idx is None:
-                raise NotImplementedError(
-                    "dispatch without topk_idx (V1 routes by is_token_in_rank alone and counts experts from "
-                    "num_tokens_per_expert) is not implemented: the core routes by expert ids; pass topk_idx"
-                )
+            by_ranks = topk_idx is None
+            if by_ranks:
+                topk_idx = self._routing_by_ranks(is_token_in_rank, num_experts, topk_weights)
             self._check_stream_options(previous_event)
             num_sms = self._resolve_num_sms(config)
             if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
@@ -1000,6 +1014,17 @@ class Buffer:
             raise
 
         rows = num_worst_tokens if num_worst_tokens > 0 else core_handle.num_recv_tokens
+        rank_prefix_matrix = None
+        per_expert = list(core_handle.num_recv_tokens_per_expert_list)
+        if by_ranks:
+            # V1 counts experts from num_tokens_per_expert, not from the routing: each rank's counts
+            # for this rank's experts are summed (one all-gather, with its send counts: the handle's
+            # rank prefix matrix). Without a CPU sync V1 returns no counts, and so do we.
+            recv_topk_idx = recv_topk_weights = None
+            if num_worst_tokens == 0:
+                per_expert, rank_prefix_matrix = self._exchange_layout_counts(
+                    topk_idx, num_tokens_per_expert, expert_alignment
+                )
         streams = _Streams(
             core, work_on_comm=async_finish, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
         )
@@ -1014,9 +1039,54 @@ class Buffer:
             num_worst_tokens=num_worst_tokens,
             rank=self.rank,
             is_token_in_rank=is_token_in_rank,
+            rank_prefix_matrix=rank_prefix_matrix,
         )
-        per_expert = list(core_handle.num_recv_tokens_per_expert_list)
         return out_x, recv_topk_idx, recv_topk_weights, per_expert, v1_handle, event
+
+    def _routing_by_ranks(self, is_token_in_rank: Any, num_experts: int, topk_weights: Any) -> torch.Tensor:
+        """The core's routing for a dispatch without ``topk_idx`` (:func:`routing_from_ranks`)."""
+        num_ranks = self.group_size
+        if topk_weights is not None:
+            raise ValueError("topk_weights needs topk_idx (a dispatch without topk_idx carries no weights)")
+        if (
+            not isinstance(is_token_in_rank, torch.Tensor)
+            or is_token_in_rank.dtype != torch.bool
+            or is_token_in_rank.dim() != 2
+            or is_token_in_rank.shape[1] != num_ranks
+        ):
+            raise ValueError(
+                f"a dispatch without topk_idx routes by is_token_in_rank, which must be bool [T, {num_ranks}], "
+                f"got {_describe(is_token_in_rank)}"
+            )
+        if num_ranks > _C.MAX_TOPK:
+            raise ValueError(
+                f"a dispatch without topk_idx sends a token to up to R ranks as R routing entries, at most "
+                f"{_C.MAX_TOPK}: this group has R={num_ranks}; pass topk_idx"
+            )
+        return routing_from_ranks(is_token_in_rank, num_experts)
+
+    def _exchange_layout_counts(
+        self, routing: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """V1's per-local-expert receive counts (from every rank's ``num_tokens_per_expert``, aligned)
+        and its ``rank_prefix_matrix`` int32 [R, R] (from every rank's send counts). Collective."""
+        num_ranks = self.group_size
+        num_local = num_tokens_per_expert.shape[0] // num_ranks
+        sent = (routing >= 0).sum(dim=0, dtype=torch.int32)
+        local = torch.cat([sent, num_tokens_per_expert.to(device=sent.device, dtype=torch.int32)])
+        rows = self._all_gather_rows(local)
+        experts = rows[:, num_ranks + self.rank * num_local : num_ranks + (self.rank + 1) * num_local].sum(dim=0)
+        aligned = [-(-int(count) // expert_alignment) * expert_alignment for count in experts.tolist()]
+        return aligned, rows[:, :num_ranks].cumsum(dim=0, dtype=torch.int32).to(sent.device)
+
+    def _all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """``[R, n]``: every rank's 1-D ``local`` (one all-gather over the group; through the host for
+        gloo). Returned on the host for gloo, else on ``local``'s device."""
+        on_host = dist.get_backend(self.group) == "gloo"
+        local = local.cpu() if on_host else local
+        rows = [torch.empty_like(local) for _ in range(self.group_size)]
+        dist.all_gather(rows, local, group=self.group)
+        return torch.stack(rows)
 
     def _cached_dispatch(
         self,
@@ -1087,6 +1157,7 @@ class Buffer:
         hold 0, as dispatch returns them.
         """
         core = self._usable_core()
+        previous_event = event_or_none(previous_event)
         core_handle = handle.core if isinstance(handle, DispatchHandle) else handle
         try:
             if not isinstance(handle, DispatchHandle):
@@ -1115,13 +1186,11 @@ class Buffer:
         counts over ``group`` (every rank must call it for the same dispatch, in the same order)."""
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+        if handle.rank_prefix_matrix is not None:
+            return handle.rank_prefix_matrix
         core = handle.core  # what the core really routed (sanitised), not the layout passed in
         sent = dispatch_layout(core.topk_idx, core.num_experts, core.num_ranks)[0]
-        on_host = dist.get_backend(self.group) == "gloo"
-        local = sent.cpu() if on_host else sent
-        rows = [torch.empty_like(local) for _ in range(self.group_size)]
-        dist.all_gather(rows, local, group=self.group)
-        return torch.stack(rows).to(sent.device).cumsum(dim=0, dtype=torch.int32)
+        return self._all_gather_rows(sent).to(sent.device).cumsum(dim=0, dtype=torch.int32)
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The communication stream the kernels run on (shared by the buffers of this process and device)."""

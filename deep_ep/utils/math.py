@@ -103,8 +103,12 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
     """Dequantise ``(float8_e4m3fn [m, n], scales)`` to bf16 ``[m, n]``: ``bf16(float(q) * scale)``.
 
-    ``x_scales`` is fp32 ``[m, ceil(n / 128)]`` (any strides, e.g. column-major), or int32
-    ``[m, ceil(n / 128) / 4]`` of packed UE8M0 exponents. An empty ``x_fp8`` is returned as bf16.
+    Scales are read as DeepEP's helper reads them, by their contents in row-major order whatever
+    the tensor's shape: fp32 holding ``m * ceil(n / 128)`` scales (``[m, ceil(n / 128)]`` of any
+    strides, e.g. column-major, or any other shape with that many elements), or int32 whose bytes
+    are ``m * ceil(n / 128)`` UE8M0 exponents (four per int, lowest byte first: the LL dispatch's
+    packed scales, also after ``.contiguous().view(-1, n // 128)`` as DeepEP's LL test views them).
+    An empty ``x_fp8`` is returned as bf16.
     """
     if not isinstance(x_fp8, torch.Tensor) or not isinstance(x_scales, torch.Tensor):
         raise TypeError(f"x_fp8 and x_scales must be tensors, got {type(x_fp8).__name__} and {type(x_scales).__name__}")
@@ -117,25 +121,41 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     num_tokens, hidden = x_fp8.shape
     padded_hidden = align(hidden, _GROUP)
     num_groups = padded_hidden // _GROUP
-    if x_scales.dtype == torch.int32:
-        if x_scales.dim() != 2 or x_scales.shape[0] != num_tokens or 4 * x_scales.shape[1] != num_groups:
-            raise ValueError(
-                f"packed UE8M0 scales must be int32 [{num_tokens}, {num_groups} / 4] (four groups per int), "
-                f"got {_describe(x_scales)}"
-            )
-        scales = fp8.unpack_ue8m0(x_scales)
-    elif x_scales.dtype == torch.float32:
-        if tuple(x_scales.shape) != (num_tokens, num_groups):
-            raise ValueError(f"scales must be float32 [{num_tokens}, {num_groups}], got {_describe(x_scales)}")
-        scales = x_scales
-    else:
-        raise ValueError(f"x_scales must be float32 or int32 (packed UE8M0), got {_describe(x_scales)}")
+    scales = _scales_by_contents(x_scales, num_tokens, num_groups)
     values = x_fp8.float()
     if padded_hidden != hidden:
         values = torch.nn.functional.pad(values, (0, padded_hidden - hidden))
     grouped = values.view(num_tokens, num_groups, _GROUP)
     restored = (grouped * scales.unsqueeze(-1)).to(torch.bfloat16).view(num_tokens, padded_hidden)
     return restored[:, :hidden].contiguous() if padded_hidden != hidden else restored
+
+
+def _scales_by_contents(x_scales: torch.Tensor, num_tokens: int, num_groups: int) -> torch.Tensor:
+    """fp32 ``[num_tokens, num_groups]`` from scales holding that many values (fp32) or exponent
+    bytes (int32, packed UE8M0), read in row-major order."""
+    if x_scales.dtype == torch.float32:
+        if tuple(x_scales.shape) == (num_tokens, num_groups):
+            return x_scales  # any strides: indexed, not reinterpreted
+        if x_scales.numel() == num_tokens * num_groups:
+            return x_scales.reshape(num_tokens, num_groups)
+        raise ValueError(
+            f"scales must hold {num_tokens} x {num_groups} float32 values ([m, ceil(n / 128)]), "
+            f"got {_describe(x_scales)}"
+        )
+    if x_scales.dtype == torch.int32:
+        if 4 * x_scales.numel() != num_tokens * num_groups:
+            raise ValueError(
+                f"packed UE8M0 scales must hold {num_tokens} x {num_groups} exponent bytes (four per int32: "
+                f"{num_tokens * num_groups / 4:g} ints), got {_describe(x_scales)}"
+            )
+        exponent_bytes = x_scales.reshape(-1).view(torch.uint8).reshape(num_tokens, num_groups)
+        return fp8.unpack_ue8m0(exponent_bytes.view(torch.int32)) if num_groups % 4 == 0 else _exponents(exponent_bytes)
+    raise ValueError(f"x_scales must be float32 or int32 (packed UE8M0), got {_describe(x_scales)}")
+
+
+def _exponents(exponent_bytes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> fp32 powers of two (``fp8.unpack_ue8m0``'s rule, for rows not a whole number of ints)."""
+    return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
 
 
 def inplace_unique(x: torch.Tensor, num_slots: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deep_ep.event import EventOverlap
+from deep_ep.event import EventOverlap, event_or_none
 
 
 class RecordingStream:
@@ -50,3 +50,12 @@ def test_no_event_raises_and_the_context_manager_waits_only_with_one(log: list) 
     with EventOverlap("event"):
         pass
     assert log == [("wait", "event")]
+
+
+def test_an_event_overlap_holding_no_event_means_no_previous_event() -> None:
+    # What a synchronous get_dispatch_layout returns; Megatron passes it on as previous_event.
+    assert event_or_none(EventOverlap(None)) is None
+    assert event_or_none(None) is None
+    recorded = EventOverlap("event")
+    assert event_or_none(recorded) is recorded
+    assert event_or_none("not an event") == "not an event"  # left to the call's own type check

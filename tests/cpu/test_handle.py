@@ -99,10 +99,33 @@ def test_recv_src_metadata_is_built_once_and_rebuilt_for_new_source_info():
     assert handle.recv_src_metadata.tolist() == [[7, 5, -1, -1, -1]]
 
 
-def test_recv_src_metadata_is_read_only():
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_assigning_recv_src_metadata_rows_rebuilds_what_combine_reads(do_expand):
+    # DeepEP V2's no-CPU-sync flow: handle.recv_src_metadata = handle.recv_src_metadata[:n].
+    handle = _hand_worked_handle(do_expand)
+    expected = HAND_V2_EXPAND if do_expand else HAND_V2_NON_EXPAND
+    first_rows = handle.recv_src_metadata[:3].clone()
+    handle.recv_src_info = torch.zeros_like(handle.recv_src_info)  # forget the record: rebuilt from the rows
+    if do_expand:
+        handle.recv_expanded_row_idx = torch.full_like(handle.recv_expanded_row_idx, -9)
+    handle.recv_src_metadata = first_rows
+    assert handle.recv_src_metadata is first_rows
+    assert handle.recv_src_metadata.tolist() == expected[:3]
+    # Source rank, source token and master lane come back; combine's slot j (column 2) is kept.
+    rebuilt = handle.recv_src_info.tolist()
+    assert [row[:2] + row[3:] for row in rebuilt[:3]] == [row[:2] + row[3:] for row in HAND_SRC_INFO[:3]]
+    assert rebuilt[3] == [0, 0, 0, 0] and [row[2] for row in rebuilt] == [0, 0, 0, 0]
+    if do_expand:
+        assert handle.recv_expanded_row_idx.tolist()[:3] == HAND_EXPANDED_ROWS[:3]
+        assert handle.recv_expanded_row_idx.tolist()[3] == [-9, -9, -9]
+
+
+def test_assigned_recv_src_metadata_must_fit_the_record():
     handle = _hand_worked_handle(do_expand=False)
-    with pytest.raises(AttributeError):
-        handle.recv_src_metadata = torch.zeros(4, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"int32 \[n, 5\] with n <= 4.*got int32 \[5, 5\]"):
+        handle.recv_src_metadata = torch.zeros(5, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="got int64"):
+        handle.recv_src_metadata = torch.zeros(4, 5, dtype=torch.int64)
     with pytest.raises(TypeError):
         dataclasses.replace(handle, recv_src_metadata=torch.zeros(4, 5, dtype=torch.int32))
 

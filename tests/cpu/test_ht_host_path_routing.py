@@ -106,11 +106,11 @@ def test_an_uncached_dispatch_asks_the_host_path_first():
 @pytest.mark.parametrize(
     "options",
     [
-        {"previous_event": EventOverlap(None)},
+        {"previous_event": EventOverlap("recorded")},
         {"async_with_compute_stream": True},
         {"allocate_on_comm_stream": True},
         {"num_qps": 1},
-        {"previous_event_before_epilogue": EventOverlap(None)},
+        {"previous_event_before_epilogue": EventOverlap("recorded")},
         {"use_tma_aligned_col_major_sf": True},
         {"zero_copy_recv": True},
         {"num_sms": 1.0},
@@ -135,7 +135,7 @@ def test_other_dispatch_arguments_stay_on_the_python_path(options):
     [
         {"bias": torch.zeros(3, 8, dtype=torch.bfloat16)},
         {"zero_copy": True},
-        {"previous_event": EventOverlap(None)},
+        {"previous_event": EventOverlap("recorded")},
         {"async_with_compute_stream": True},
         {"allocate_on_comm_stream": True},
         {"num_qps": 1},

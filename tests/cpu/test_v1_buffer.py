@@ -129,21 +129,21 @@ def test_too_small_names_the_bytes_needed():
 # ------------------------------------------------------------------------------ refused options
 
 
-@pytest.mark.parametrize(
-    "option, value, words",
-    [
-        ("allow_mnnvl", True, "allow_mnnvl=True"),
-        ("use_fabric", True, "use_fabric=True"),
-        ("comm", object(), "comm=object"),
-    ],
-)
-def test_each_unbacked_option_raises_not_implemented_naming_it(option, value, words):
-    with pytest.raises(NotImplementedError, match=f"Buffer\\({option}=") as info:
-        check_unbacked_options(**{option: value})
-    assert words in str(info.value)
+def test_comm_raises_not_implemented_naming_it():
+    with pytest.raises(NotImplementedError, match="Buffer\\(comm=") as info:
+        check_unbacked_options(comm=object())
+    assert "comm=object" in str(info.value)
     # The constructor refuses before it touches the group or CUDA (group=None would fail there).
-    with pytest.raises(NotImplementedError, match=option):
-        Buffer(None, **{option: value})
+    with pytest.raises(NotImplementedError, match="comm"):
+        Buffer(None, comm=object())
+
+
+@pytest.mark.parametrize("option", ["allow_mnnvl", "use_fabric"])
+def test_mnnvl_and_fabric_are_permissions_not_refusals(option):
+    # SGLang passes allow_mnnvl=True on every machine: the constructor goes on to its size checks
+    # (group=None is never reached: the bad size is refused first).
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        Buffer(None, -1, **{option: True})
 
 
 def test_accepted_options_and_bad_sizes():
@@ -209,8 +209,6 @@ def test_masks_set_before_the_low_latency_window_exists_are_kept_until_it_is_bui
 def test_previous_event_is_checked_but_needs_no_allocate_on_comm_stream():
     Buffer._check_stream_options(None)
     Buffer._check_stream_options(EventOverlap(event="recorded"))  # any non-None event passes the type check
-    with pytest.raises(ValueError, match="holds no event"):
-        Buffer._check_stream_options(EventOverlap(None))
     with pytest.raises(TypeError, match="previous_event must be an EventOverlap"):
         Buffer._check_stream_options("event")
 
@@ -544,9 +542,7 @@ def _layout(num_tokens: int = 4, num_experts: int = 8):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"drop": "topk_idx"}, NotImplementedError, "dispatch without topk_idx"),
         ({"drop": "num_tokens_per_expert"}, ValueError, "num_tokens_per_expert must be given"),
-        ({"previous_event": EventOverlap(None)}, ValueError, "holds no event"),
         ({"num_worst_tokens": -1}, ValueError, "num_worst_tokens must be an int >= 0"),
         ({"config": object()}, TypeError, "V1 Config"),
         ({"is_token_in_rank": torch.zeros(3, 2, dtype=torch.bool)}, ValueError, "is_token_in_rank must be a tensor"),
@@ -609,13 +605,11 @@ def test_refused_cached_dispatch_and_combine_take_part_with_the_core_handle():
         buffer.dispatch(x, handle=handle, topk_idx=torch.zeros(3, 2, dtype=torch.int64))
     with pytest.raises(TypeError, match="DispatchHandle returned by dispatch"):
         buffer.dispatch(x, handle=core_handle)
-    with pytest.raises(ValueError, match="holds no event"):
-        buffer.combine(x, handle, previous_event=EventOverlap(None))
     with pytest.raises(TypeError, match="DispatchHandle returned by dispatch"):
         buffer.combine(x, (1, 2, 3))
     calls = buffer._core.calls
-    assert [call[0] for call in calls] == ["dispatch without input"] * 2 + ["combine without input"] * 2
-    assert calls[0][1] is core_handle and calls[1][1] is core_handle and calls[2][1] is core_handle
+    assert [call[0] for call in calls] == ["dispatch without input"] * 2 + ["combine without input"]
+    assert calls[0][1] is core_handle and calls[1][1] is core_handle
 
 
 def test_destroy_follows_the_explicitly_destroy_rule():

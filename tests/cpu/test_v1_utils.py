@@ -115,6 +115,31 @@ def test_aligned_cast_is_bitwise_the_strict_cast():
     assert torch.equal(v1_math.per_token_cast_back(quantised, scales), fp8.per_token_cast_back(quantised, scales))
 
 
+def test_cast_back_reads_scales_by_their_contents_as_deepep_does():
+    # DeepEP's LL test: packed UE8M0 scales [L, R * T, H / 512] made contiguous and viewed as
+    # int32 [-1, H / 128] (a quarter as many rows as tokens), fp8 viewed as [-1, H].
+    num_local, rows, hidden = 2, 8, 1024
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(num_local * rows, hidden, generator=generator)
+    x = x * torch.rand(num_local * rows, 1, generator=generator)
+    quantised, scales = fp8.per_token_cast_to_fp8(x.bfloat16(), round_scale=True)
+    packed = fp8.pack_ue8m0(scales).view(num_local, rows, hidden // 512)
+    expected = fp8.per_token_cast_back(quantised, scales)
+    deepep_view = packed.contiguous().view(-1, hidden // 128)
+    assert list(deepep_view.shape) == [num_local * rows // 4, hidden // 128]
+    assert torch.equal(v1_math.per_token_cast_back(quantised, deepep_view), expected)
+    # The same bytes in their own shape, and fp32 scales of another shape with the same contents.
+    assert torch.equal(v1_math.per_token_cast_back(quantised, packed.view(-1, hidden // 512)), expected)
+    assert torch.equal(v1_math.per_token_cast_back(quantised, scales.view(num_local, rows, -1)), expected)
+    # Column-major fp32 scales are indexed, not reinterpreted.
+    column_major = scales.t().contiguous().t()
+    assert torch.equal(v1_math.per_token_cast_back(quantised, column_major), expected)
+    with pytest.raises(ValueError, match="exponent bytes"):
+        v1_math.per_token_cast_back(quantised, deepep_view[:-1])
+    with pytest.raises(ValueError, match="float32 values"):
+        v1_math.per_token_cast_back(quantised, scales[:-1])
+
+
 def test_cast_pads_a_hidden_size_that_is_not_a_multiple_of_128():
     # n = 130: group 0 = channels 0..127 (amax 7: scale 7/448 = 1/64, quotient 64 exactly),
     # group 1 = channels 128, 129 plus 126 zero pads (amax 224: scale 1/2, quotient 2).
@@ -210,7 +235,7 @@ def test_cast_back_of_an_empty_input_is_empty_bf16():
 
 def test_cast_back_rejects_mismatched_or_unsupported_scales():
     quantised = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"float32 \[2, 2\]"):
+    with pytest.raises(ValueError, match=r"must hold 2 x 2 float32 values.*got float32 \[2, 3\]"):
         v1_math.per_token_cast_back(quantised, torch.ones(2, 3))
     with pytest.raises(ValueError, match="float32 or int32"):
         v1_math.per_token_cast_back(quantised, torch.ones(2, 2, dtype=torch.float64))

@@ -92,10 +92,6 @@ def _bad_inputs(rank, num_ranks, group):
             lambda: dispatch(x, topk_idx, num_experts=EXPERTS, num_sms=100_000),
         )
         refuses(
-            r"previous_event holds no event",
-            lambda: dispatch(x, topk_idx, num_experts=EXPERTS, previous_event=deep_ep.EventOverlap(None)),
-        )
-        refuses(
             r"BufferTooSmall|needs \d+ bytes of the HT region",
             lambda: dispatch(x, topk_idx, num_experts=EXPERTS, num_max_tokens_per_rank=TOKENS * 64),
             deep_ep.BufferTooSmallError,
