@@ -9,7 +9,7 @@ as an ``async_finish`` + ``previous_event`` chain. V1's meanings are mapped onto
 outputs: ``recv_topk_weights`` is 0 where ``recv_topk_idx`` is -1, worst-token rows past the
 received ones have ``recv_topk_idx = -1``, ``handle[3]`` is the source token of each row,
 ``recv_rank_prefix_sum`` / ``gather_rank_prefix_matrix`` V1's rank prefix matrix. Then the loud
-failures: unbacked options, a token count past the byte budget (on every rank, and on one rank
+failures: refused arguments, a token count past the byte budget (on every rank, and on one rank
 while its peers see PeerInputError), and hybrid mode (V1's internode handle layout).
 """
 
@@ -347,8 +347,8 @@ def _refusals(buffer: Buffer, rank: int, num_ranks: int) -> None:
     x = torch.randn(16, 1024, device=device()).to(torch.bfloat16)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     layout = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
-    with pytest.raises(NotImplementedError, match="dispatch without topk_idx"):
-        buffer.dispatch(x, **layout)
+    with pytest.raises(ValueError, match="topk_weights needs topk_idx"):
+        buffer.dispatch(x, topk_weights=torch.ones(16, 4, device=device()), **layout)
     with pytest.raises(ValueError, match="num_tokens_per_expert must be given"):
         buffer.dispatch(x, topk_idx=topk_idx)
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, **layout)
