@@ -155,7 +155,8 @@ def pack_ue8m0_unchecked(scales: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[..., G/4]`` of packed UE8M0 exponent bytes -> fp32 ``[..., G]`` powers of two (the
-    inverse of ``pack_ue8m0``; a zero byte gives 0.0)."""
+    """int32 ``[..., G/4]`` of packed UE8M0 exponent bytes (or the bytes themselves, uint8
+    ``[..., G]``) -> fp32 ``[..., G]`` powers of two (the inverse of ``pack_ue8m0``; a zero byte
+    gives 0.0)."""
     exponents = packed.contiguous().view(torch.uint8).to(torch.int32)
     return (exponents << _FP32_MANTISSA_BITS).view(torch.float32)

@@ -148,14 +148,9 @@ def _scales_by_contents(x_scales: torch.Tensor, num_tokens: int, num_groups: int
                 f"packed UE8M0 scales must hold {num_tokens} x {num_groups} exponent bytes (four per int32: "
                 f"{num_tokens * num_groups / 4:g} ints), got {_describe(x_scales)}"
             )
-        exponent_bytes = x_scales.reshape(-1).view(torch.uint8).reshape(num_tokens, num_groups)
-        return fp8.unpack_ue8m0(exponent_bytes.view(torch.int32)) if num_groups % 4 == 0 else _exponents(exponent_bytes)
+        # unpack_ue8m0 reads its input byte by byte, so the bytes in token rows unpack as they are.
+        return fp8.unpack_ue8m0(x_scales.reshape(-1).view(torch.uint8).reshape(num_tokens, num_groups))
     raise ValueError(f"x_scales must be float32 or int32 (packed UE8M0), got {_describe(x_scales)}")
-
-
-def _exponents(exponent_bytes: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes -> fp32 powers of two (``fp8.unpack_ue8m0``'s rule, for rows not a whole number of ints)."""
-    return (exponent_bytes.to(torch.int32) << 23).view(torch.float32)
 
 
 def inplace_unique(x: torch.Tensor, num_slots: int) -> None:

@@ -3,6 +3,9 @@ expert stand-ins and the reference run of one case."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,21 @@ def make_buffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=MAX_HIDDEN, nu
         explicitly_destroy=True,
         **kwargs,
     )
+
+
+@contextlib.contextmanager
+def emulated_ranks_per_node(per_node: int) -> Iterator[None]:
+    """EP_EMULATE_RANKS_PER_NODE set to ``per_node`` (virtual nodes) for the buffers built inside,
+    restored after."""
+    previous = os.environ.get("EP_EMULATE_RANKS_PER_NODE")
+    os.environ["EP_EMULATE_RANKS_PER_NODE"] = str(per_node)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("EP_EMULATE_RANKS_PER_NODE", None)
+        else:
+            os.environ["EP_EMULATE_RANKS_PER_NODE"] = previous
 
 
 def device() -> torch.device:

@@ -13,19 +13,16 @@ of every receiving rank is the row times the number of ranks that received it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-from ht_checks import device
+from ht_checks import device, emulated_ranks_per_node
 
 import deep_ep
 from deep_ep.event import EventOverlap
 from deep_ep.testing import launch
 from deep_ep.v1_buffer import Buffer, bytes_for_tokens
 
-EMULATE_ENV = "EP_EMULATE_RANKS_PER_NODE"
 HIDDEN = 256
 TOPK = 4
 
@@ -173,15 +170,8 @@ def test_deepep_intranode_flow_and_client_first_calls(num_ranks):
 
 
 def _internode_flow(rank: int, num_ranks: int, group, per_node: int) -> None:
-    previous = os.environ.get(EMULATE_ENV)
-    os.environ[EMULATE_ENV] = str(per_node)
-    try:
+    with emulated_ranks_per_node(per_node):
         buffer = Buffer(group, _num_nvl_bytes(num_ranks, per_node), 0, allow_mnnvl=True, explicitly_destroy=True)
-    finally:
-        if previous is None:
-            os.environ.pop(EMULATE_ENV, None)
-        else:
-            os.environ[EMULATE_ENV] = previous
     try:
         assert buffer._core.ht_mode == "hybrid"
         for flow in ("plain", "async"):

@@ -15,13 +15,19 @@ while its peers see PeerInputError), and hybrid mode (V1's internode handle layo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
-from ht_checks import assert_bitwise_equal, device, expert_output, keep_compute_stream_busy, split
+from ht_checks import (
+    assert_bitwise_equal,
+    device,
+    emulated_ranks_per_node,
+    expert_output,
+    keep_compute_stream_busy,
+    split,
+)
 
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.testing import launch
@@ -29,8 +35,6 @@ from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
 from deep_ep.testing.reference_layout import dispatch_layout_by_loops
 from deep_ep.v1_buffer import Buffer, DispatchHandle, bytes_for_tokens
-
-EMULATE_ENV = "EP_EMULATE_RANKS_PER_NODE"
 
 
 @dataclass(frozen=True)
@@ -433,15 +437,8 @@ def test_v1_client_sequences_match_reference(num_ranks):
 
 
 def _v1_hybrid(rank: int, num_ranks: int, group, per_node: int) -> None:
-    previous = os.environ.get(EMULATE_ENV)
-    os.environ[EMULATE_ENV] = str(per_node)
-    try:
+    with emulated_ranks_per_node(per_node):
         buffer = Buffer(group, _num_nvl_bytes(HYBRID_CASES, num_ranks, per_node), explicitly_destroy=True)
-    finally:
-        if previous is None:
-            os.environ.pop(EMULATE_ENV, None)
-        else:
-            os.environ[EMULATE_ENV] = previous
     try:
         assert buffer._core.ht_mode == "hybrid", f"expected hybrid mode over {num_ranks // per_node} virtual nodes"
         for case in HYBRID_CASES:
