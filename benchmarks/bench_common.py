@@ -75,30 +75,35 @@ def save_summary(summary: dict[str, Any], out_dir: str, stem: str, plot: Callabl
     plot(summary, os.path.join(out_dir, f"{stem}.png"))
 
 
+def profiled_kernel_events(buffer: Any, operation: Callable[[], None], runs: int) -> list[Any]:
+    """The CUDA events of ``runs`` profiled runs of ``operation``, in launch order.
+
+    A CPU-synced barrier first lines the ranks up: the profiler starts at different moments in
+    different processes, and without it the first run's entry barrier (e.g. in an HT notify, or a
+    cached dispatch) would absorb that skew. Each run starts after a device barrier, as a timed
+    run does."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    buffer.barrier(with_cpu_sync=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            buffer.barrier()
+            operation()
+        torch.cuda.synchronize()
+    events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    return sorted(events, key=lambda event: event.time_range.start)
+
+
 def kernel_times_us(
     buffer: Any, operation: Callable[[], None], kernels: tuple[str, ...], runs: int = 9
 ) -> dict[str, float]:
     """Median device time of each kernel whose name contains one of ``kernels``, over a few profiled
-    runs of ``operation`` (empty if profiling fails).
-
-    A CPU-synced barrier first lines the ranks up: the profiler starts at different moments in
-    different processes, and without it the first run's entry barrier (e.g. in an HT notify, or a
-    cached dispatch) would absorb that skew. The median drops what is left of such outliers.
-    """
+    runs of ``operation`` (profiled_kernel_events; empty if profiling fails). The median drops
+    what is left of the ranks' skew."""
     try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        buffer.barrier(with_cpu_sync=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                buffer.barrier()
-                operation()
-            torch.cuda.synchronize()
         durations: dict[str, list[float]] = {}
-        for event in prof.events():
-            if event.device_type != DeviceType.CUDA:
-                continue
+        for event in profiled_kernel_events(buffer, operation, runs):
             for kernel in kernels:
                 if kernel in event.name:
                     durations.setdefault(kernel, []).append(event.time_range.elapsed_us())

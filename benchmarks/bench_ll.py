@@ -22,10 +22,11 @@ combine = valid selections x 2H. HBM floor, per GPU: dispatch reads each source 
 (2H bytes) and writes each (token, expert) message once; combine reads each expert row once (2H)
 and writes each final token once (2H); summed over the ranks sharing the GPU, divided by the device
 copy bandwidth (read + write) measured in the same run, plus one barrier. floor_fraction =
-floor / measured time. Kernel times: device time of the one kernel of each operation of an eager
-dispatch + combine pair (``fused``) and of the send and receive kernels of a hooked pair
-(torch.profiler, median of a few runs, slowest rank). Writes
-DIR/bench_ll.json and DIR/bench_ll.png.
+floor / measured time. Kernel times: device time of each launch of the operations' kernels
+(one kernel function per operation, deep_ep.low_latency.KERNEL_NAMES): the one launch of an eager
+dispatch and combine (``fused``: both phases) and the send and receive launches of a hooked pair
+(torch.profiler, median of a few runs, slowest rank). Writes DIR/bench_ll.json and
+DIR/bench_ll.png.
 
 With --phases the buffers are built with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock):
 per row, for a graph-replayed dispatch + combine pair and for the last pair of the rotating chain,
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,10 +47,10 @@ import torch
 import torch.distributed as dist
 from bench_common import (
     copy_bandwidth_gbs,
-    kernel_times_us,
     phase_summary,
     phase_times_us,
     print_phases,
+    profiled_kernel_events,
     request_phase_clock,
     run_ranks,
     save_summary,
@@ -66,7 +68,10 @@ OPERATIONS = ("dispatch", "combine")
 LAYERS = 3  # pairs per decode-step chain: 6 operations, a multiple of the 3 LL areas
 LAYER_KINDS = ("rotating", "reusing")
 MODES = ("eager", "graph", "send", "recv")
-KERNELS = KERNEL_NAMES  # one per operation without hook (fused), send + receive with a hook
+# The LL kernel launches of a timed eager + hooked pair, in launch order: one launch per operation
+# without a hook (both phases), the send and receive launches of the same kernel with one. Each
+# launch is told apart by its place in the order (every launch of an operation has the same name).
+KERNELS = ("dispatch_fused", "combine_fused", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +128,38 @@ def timed_phases(buffer: Any, phases: list[Callable[[], None]], warmup: int, ite
     torch.cuda.synchronize()
     buffer._check_device_errors()
     return [[run[i][0].elapsed_time(run[i][1]) * 1e3 for run in events] for i in range(len(phases))]
+
+
+def _kernel_named(name: str) -> str:
+    """The LL kernel (KERNEL_NAMES) of the operation whose word ``name`` contains."""
+    word = "dispatch" if "dispatch" in name else "combine"
+    return next(kernel for kernel in KERNEL_NAMES if word in kernel)
+
+
+def launch_times_us(buffer: Any, operation: Callable[[], None], launches: tuple[str, ...], runs: int = 9) -> dict:
+    """Median device time of each LL kernel launch of ``operation``, which launches the LL kernels
+    in the order ``launches`` names (each label starting with its operation's word), over a few
+    profiled runs (profiled_kernel_events; empty if profiling fails or the launches differ from
+    ``launches``)."""
+    try:
+        events = [
+            event
+            for event in profiled_kernel_events(buffer, operation, runs)
+            if any(kernel in event.name for kernel in KERNEL_NAMES)
+        ]
+        labels = [launches[index % len(launches)] for index in range(len(events))]
+        kernels = [_kernel_named(event.name) for event in events]
+        if len(events) != runs * len(launches) or kernels != [_kernel_named(label) for label in labels]:
+            raise RuntimeError(
+                f"{len(events)} LL kernel launches ({kernels[: len(launches)]} ...), expected {runs} x {launches}"
+            )
+        durations: dict[str, list[float]] = {}
+        for label, event in zip(labels, events, strict=True):
+            durations.setdefault(label, []).append(event.time_range.elapsed_us())
+        return {label: statistics.median(values) for label, values in durations.items()}
+    except Exception as error:  # noqa: BLE001 - profiling is optional
+        print(f"[bench] kernel profiling failed: {error}", file=sys.stderr)
+        return {}
 
 
 def _replay(graph_replay: Callable[[], None], times: int) -> None:
@@ -227,9 +264,9 @@ def bench_tokens(buffer: Any, num_tokens: int, config: dict[str, Any], rank: int
         "rotating": [t / LAYERS for t in timed_after_barrier(buffer, rotating, warmup, iters)],
         "reusing": [t / LAYERS for t in timed_after_barrier(buffer, lambda: _replay(reusing, LAYERS), warmup, iters)],
     }
-    # Device time of each kernel of an eager dispatch + combine pair (one kernel per operation) and
-    # of a hooked pair (send and receive kernels), each pair after a barrier.
-    kernels = kernel_times_us(
+    # Device time of each launch of an eager dispatch + combine pair (one per operation) and of a
+    # hooked pair (send and receive launches), each pair after a barrier.
+    kernels = launch_times_us(
         buffer,
         lambda: (
             trip.dispatch(),

@@ -1,10 +1,11 @@
 """LowLatencyMixin: ElasticBuffer's low-latency (decode) dispatch and combine (DeepEP V1 API).
 
-Every LL operation is a send phase and a receive phase. Without a hook both run in one kernel on
+Every LL operation is a send phase and a receive phase, run by one kernel function per operation
+(``KERNEL_NAMES``) whose launch argument names the phases. Without a hook one launch runs both on
 the caller's stream (``async_finish``: on the communication stream, with an event returned); with
-``return_recv_hook=True`` only the send kernel runs and the returned hook launches the receive
-kernel later, so no SM waits while the data is in flight. No call synchronises with the host, so
-the whole path can be captured in a CUDA graph.
+``return_recv_hook=True`` a launch runs the send phase and the returned hook launches the same
+kernel again for the receive phase, so no SM waits while the data is in flight. No call
+synchronises with the host, so the whole path can be captured in a CUDA graph.
 
 The LL region has three areas used in rotation (operation n uses area n % 3), so a send phase
 finds the area it writes already released by every peer (docs/low_latency.md). By default
@@ -39,16 +40,12 @@ MAX_OUTSTANDING = 2
 # A dispatch's data (headers included) is released once the second LL operation after it has sent,
 # so the combine answering it must be at most that one.
 MAX_COMBINE_DISTANCE = 2
-# The kernels of LL operations, as profilers name them (substrings of the mangled names): without a
-# receive hook one kernel per operation, with a hook a send and a receive kernel.
-KERNEL_NAMES = (
-    "dispatch_fused_kernel",
-    "dispatch_send_kernel",
-    "dispatch_recv_kernel",
-    "combine_fused_kernel",
-    "combine_send_kernel",
-    "combine_recv_kernel",
-)
+# The kernel of each LL operation (dispatch, combine), as profilers name it (a substring of the
+# demangled name): every mode launches the same function, once without a receive hook and twice with
+# one (send phase, then the hook's receive phase). DeepEP's benchmarks find LL kernels by the words
+# "dispatch" and "combine", each of which must name exactly one kernel of a profile, so no other
+# kernel launched by an LL operation carries either word.
+KERNEL_NAMES = ("ll_dispatch_kernel", "ll_combine_kernel")
 # Receive phases launched into CUDA need 16-byte aligned rows.
 _ROW_ALIGNMENT = 16
 
@@ -275,8 +272,8 @@ class LowLatencyMixin:
         outputs = (out_data, out_scales, recv_src_info, recv_layout_range)
         stats = (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
-        def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
-            phase(
+        def launch(phases: int, stream: torch.cuda.Stream) -> None:
+            _C.low_latency_dispatch(
                 *self._ll_sizing(),
                 area,
                 x.data_ptr(),
@@ -288,6 +285,7 @@ class LowLatencyMixin:
                 count_per_source.data_ptr(),
                 self._max_num_sms,
                 stream.cuda_stream,
+                phases,
                 False,
                 round_scale,
                 _pointer(out_data),
@@ -300,19 +298,13 @@ class LowLatencyMixin:
                 _pointer(self._ll_rank_mask),
             )
 
-        def receive() -> None:
-            launch(_C.low_latency_dispatch_recv, torch.cuda.current_stream())
-            handle.received = True
-
-        def send_and_receive(stream: torch.cuda.Stream) -> None:
-            launch(_C.low_latency_dispatch, stream)
+        def received() -> None:
             handle.received = True
 
         event, hook = self._ll_run(
             "low_latency_dispatch",
-            lambda stream: launch(_C.low_latency_dispatch_send, stream),
-            receive,
-            send_and_receive,
+            launch,
+            received,
             async_finish,
             return_recv_hook,
             keep_alive=tuple(t for t in (x, topk_idx, recv_count, count_per_source, *outputs, *stats) if t is not None),
@@ -371,8 +363,8 @@ class LowLatencyMixin:
         count_per_source = handle.count_per_source
         layout_range = handle.recv_layout_range if handle.recv_layout == "compact" else None
 
-        def launch(phase: Callable[..., None], stream: torch.cuda.Stream) -> None:
-            phase(
+        def launch(phases: int, stream: torch.cuda.Stream) -> None:
+            _C.low_latency_combine(
                 *self._ll_sizing(),
                 handle.area,
                 area,
@@ -385,6 +377,7 @@ class LowLatencyMixin:
                 handle.num_topk,
                 self._max_num_sms,
                 stream.cuda_stream,
+                phases,
                 False,
                 _pointer(layout_range),
                 _pointer(combine_wait_recv_cost_stats),
@@ -393,9 +386,8 @@ class LowLatencyMixin:
 
         event, hook = self._ll_run(
             "low_latency_combine",
-            lambda stream: launch(_C.low_latency_combine_send, stream),
-            lambda: launch(_C.low_latency_combine_recv, torch.cuda.current_stream()),
-            lambda stream: launch(_C.low_latency_combine, stream),
+            launch,
+            lambda: None,
             async_finish,
             return_recv_hook,
             keep_alive=tuple(
@@ -491,8 +483,8 @@ class LowLatencyMixin:
             counts = torch.empty(num_local * (self.num_ranks + 1), dtype=torch.int32, device=self._torch_device)
             keep(counts)
             area, _ = self._ll_begin()
-            for phase in (_C.low_latency_dispatch_send, _C.low_latency_dispatch_recv):
-                phase(
+            for phases in (_C.LL_PHASE_SEND, _C.LL_PHASE_RECEIVE):
+                _C.low_latency_dispatch(
                     *self._ll_sizing(),
                     area=area,
                     x=0,
@@ -504,6 +496,7 @@ class LowLatencyMixin:
                     count_per_source=counts.data_ptr() + 4 * num_local,
                     num_sms=self._max_num_sms,
                     stream=stream,
+                    phases=phases,
                     input_failed=True,
                     rank_mask=_pointer(self._ll_rank_mask),
                 )
@@ -522,8 +515,8 @@ class LowLatencyMixin:
                 keep(handle.count_per_source)
                 counts = handle.count_per_source.data_ptr()
             area, _ = self._ll_begin()
-            for phase in (_C.low_latency_combine_send, _C.low_latency_combine_recv):
-                phase(
+            for phases in (_C.LL_PHASE_SEND, _C.LL_PHASE_RECEIVE):
+                _C.low_latency_combine(
                     *self._ll_sizing(),
                     dispatch_area=handle.area if handle is not None else 0,
                     area=area,
@@ -536,6 +529,7 @@ class LowLatencyMixin:
                     num_topk=1,
                     num_sms=self._max_num_sms,
                     stream=stream,
+                    phases=phases,
                     input_failed=True,
                     rank_mask=_pointer(self._ll_rank_mask),
                 )
@@ -554,28 +548,35 @@ class LowLatencyMixin:
     def _ll_run(
         self,
         operation: str,
-        send: Callable[[torch.cuda.Stream], None],
-        receive: Callable[[], None],
-        send_and_receive: Callable[[torch.cuda.Stream], None],
+        launch: Callable[[int, torch.cuda.Stream], None],
+        received: Callable[[], None],
         async_finish: bool,
         return_recv_hook: bool,
         keep_alive: tuple[torch.Tensor, ...],
     ) -> tuple[EventOverlap | None, Callable[[], None] | None]:
-        """Launches one LL operation: with a hook, the send kernel now and the receive kernel when
-        the hook is called; otherwise both phases in one launch (on the comm stream with
-        ``async_finish``)."""
+        """Launches one LL operation through ``launch(phases, stream)`` (one kernel function for
+        every phase set): with a hook, the send phase now and the receive phase when the hook is
+        called; otherwise both phases in one launch (on the comm stream with ``async_finish``).
+        ``received()`` runs once the receive phase is launched."""
         compute = torch.cuda.current_stream(self.device)
         if return_recv_hook:
-            send(compute)
+            launch(_C.LL_PHASE_SEND, compute)
             self._ll_num_pending = self._ll_num_pending + 1
+
+            def receive() -> None:
+                launch(_C.LL_PHASE_RECEIVE, torch.cuda.current_stream())
+                received()
+
             return None, _Hook(self, operation, receive, keep_alive)
         if not async_finish:
-            send_and_receive(compute)
+            launch(_C.LL_PHASE_BOTH, compute)
+            received()
             return None, None
         comm = self._comm_stream
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
-            send_and_receive(comm)
+            launch(_C.LL_PHASE_BOTH, comm)
+        received()
         event = torch.cuda.Event()
         event.record(comm)
         return EventOverlap(event, extra_tensors=keep_alive), None

@@ -1,10 +1,13 @@
 // Low-latency (decode) dispatch and combine: argument structs, launchers and the area protocol
-// both kernel families share.
+// both kernels share.
 //
-// Each LL operation (dispatch or combine) is a send phase and a receive phase: two kernels when the
-// receive is deferred to a hook, one kernel running both phases otherwise (send rounds claimed by
-// running CTAs, see next_send_round). Operation n uses area n % kLowLatencyAreas of the LL region
-// (its receive side), given as `area_offset` = ll_offset + area * area_bytes in every window.
+// Each LL operation (dispatch or combine) is a send phase and a receive phase, run by one kernel
+// function per operation (ll_dispatch_kernel, ll_combine_kernel) whose runtime argument
+// LowLatencyPhases says which: both in one launch without a hook, the send phase now and the
+// receive phase when a hook is called (the same function launched twice). Profilers key kernels by
+// name, so every mode shows one kernel per operation. Send rounds are claimed by running CTAs (see
+// next_send_round). Operation n uses area n % kLowLatencyAreas of the LL region (its receive side),
+// given as `area_offset` = ll_offset + area * area_bytes in every window.
 //
 // Protocol (docs/low_latency.md has the full argument):
 //   * counts cells [L][R] of the area are arrival cells: (local expert l, source s) publishes
@@ -65,7 +68,7 @@ namespace deep_ep {
 // other kernels' scratch; one per (kind, area) so that operations on different streams never share
 // one. Kinds: the CTA finish counter of a receive phase (its last CTA resets the arrival cells or
 // bumps the area's epoch), the CTA finish counter of a send phase (its last CTA publishes the
-// releases) and the send round counter of a one-kernel operation (running CTAs claim rounds).
+// releases) and the send round counter of a send phase (running CTAs claim rounds).
 struct LowLatencyScratch {
   enum Kind : int { kReceiveFinish = 0, kSendFinish = 1, kSendClaim = 2, kNumKinds = 3 };
   static constexpr int kFirstIndex = WorkspaceLayout::kNumScratchInts - kNumKinds * kLowLatencyAreas;
@@ -80,8 +83,17 @@ enum class LowLatencyScales : int {
   kUe8m0ColMajor = 3,  // int32 [L][G / 4][R * T_ll]
 };
 
-constexpr int kLowLatencySendThreads = 512;
-constexpr int kLowLatencyRecvThreads = 512;
+// Threads per CTA of both LL kernels, in every phase.
+constexpr int kLowLatencyThreads = 512;
+
+// The phases of one LL operation a launch runs: a bit set passed to the kernel at run time, so that
+// every mode launches the same kernel function (and template instantiation): kBoth without a receive
+// hook, kSend then kReceive with one.
+enum class LowLatencyPhases : int { kSend = 1, kReceive = 2, kBoth = 3 };
+
+__host__ __device__ constexpr bool runs_phase(LowLatencyPhases phases, LowLatencyPhases phase) {
+  return (static_cast<int>(phases) & static_cast<int>(phase)) != 0;
+}
 
 struct LowLatencyDispatchArgs {
   DeviceView view;
@@ -139,26 +151,25 @@ struct LowLatencyCombineArgs {
   int32_t* rank_mask = nullptr;        // [R] rank masking (kernels/timeout.cuh); nullptr: off
 };
 
-// Throw std::invalid_argument for shapes the kernels cannot take, std::runtime_error for a failed
-// launch. Send and receive of one operation must run in this order on streams ordered the same way.
-void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream);
-void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream);
-void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream);
-void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream);
-// Both phases of one operation, in one kernel where it fits (no receive hook): same arguments.
-void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
-void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
+// Launch `phases` of one operation with the same arguments for every phase. Throw
+// std::invalid_argument for shapes the kernels cannot take or a `phases` outside LowLatencyPhases,
+// std::runtime_error for a failed launch. With split phases, kSend and kReceive of one operation
+// must run in this order on streams ordered the same way.
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, LowLatencyPhases phases, cudaStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, LowLatencyPhases phases, cudaStream_t stream);
 
 // Throws std::invalid_argument when the largest dispatch of a buffer of `layout` (its routing and
-// token list are staged in shared memory) does not fit this device's send kernel (`scaleout`: the
-// variant that reaches other nodes through the transport). On the current device; checked when a
-// buffer is built, so that no call can fail on it later.
+// token list are staged in shared memory) does not fit this device's dispatch kernel (`scaleout`:
+// the instantiation that reaches other nodes through the transport). On the current device; checked
+// when a buffer is built, so that no call can fail on it later.
 void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleout);
 
 // Host checks both LL operations share: the call must match what the buffer's LL region was
 // sized for. Throws std::invalid_argument naming the argument, the value and the rule.
 void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int num_experts, int num_tokens,
                             int num_topk);
+// Throws std::invalid_argument unless `phases` is one of LowLatencyPhases (it may come from Python).
+void check_low_latency_phases(LowLatencyPhases phases);
 
 #if defined(__CUDACC__)
 namespace low_latency {
@@ -169,24 +180,19 @@ __device__ __forceinline__ int32_t* scratch_int(const DeviceView& view, LowLaten
 }
 
 // Send rounds. A send phase splits its work into `num_rounds` rounds; round q is what CTA q % G
-// of a G-CTA grid did in its round q / G when each CTA took its rounds in turn. Two kernels per
-// operation: CTA c takes rounds c, c + G, ... (kClaimed = false). One kernel per operation: a
-// CTA's receive phase waits for rows that any round may send, and the CTAs of a grid are not
-// all resident at once (other kernels, other ranks' kernels under MPS share the SMs); so running
-// CTAs claim rounds from the area's kSendClaim counter (kClaimed = true), and a CTA receives only
+// of a G-CTA grid would do in its round q / G if each CTA took its rounds in turn. A launch that
+// runs both phases has CTAs whose receive phase waits for rows that any round may send, and the
+// CTAs of a grid are not all resident at once (other kernels, other ranks' kernels under MPS share
+// the SMs); so running CTAs claim rounds from the area's kSendClaim counter, and a CTA receives only
 // once every round is claimed: each round belongs to a running CTA that finishes it without
-// waiting on this grid. CTA-collective; the first claim is made before the area gate.
-template <bool kClaimed>
-__device__ __forceinline__ int next_send_round(int32_t* claim_counter, int previous) {
-  if constexpr (!kClaimed) {
-    return previous < 0 ? static_cast<int>(blockIdx.x) : previous + static_cast<int>(gridDim.x);
-  } else {
-    __shared__ int claimed;
-    __syncthreads();  // every thread has read the previous claim
-    if (threadIdx.x == 0) claimed = atomicAdd(claim_counter, 1);
-    __syncthreads();
-    return claimed;
-  }
+// waiting on this grid. A send-only launch claims the same way (one code path for every mode).
+// CTA-collective; the first claim is made before the area gate.
+__device__ __forceinline__ int next_send_round(int32_t* claim_counter) {
+  __shared__ int claimed;
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) claimed = atomicAdd(claim_counter, 1);
+  __syncthreads();
+  return claimed;
 }
 
 // Round q of a round-split loop whose CTA c took items base + j * G + c (j < per_round), bases
@@ -223,7 +229,7 @@ __device__ __forceinline__ bool via_transport(const DeviceView& view, int peer) 
 }
 
 // LL across nodes over `lsa` (virtual nodes of one host): a put is a plain store anyway, so the
-// send kernels store rows and headers straight into the peer, as within a node, and only the
+// send phases store rows and headers straight into the peer, as within a node, and only the
 // arrival signals go through the transport (a signal covers its CTA's stores as it covers puts).
 __device__ __forceinline__ bool stores_directly(const DeviceView& view) {
   return view.scaleout.kind == ScaleoutKind::kLsa;
@@ -239,7 +245,7 @@ __device__ __forceinline__ int release_signal(int area, int source) {
 
 // Tells transport peer `peer` that this rank released `released` operations of `area`. Signals
 // only add, so this adds what was not published yet; atomicMax on the last published count keeps
-// that exact when send kernels of other areas (other streams) publish at the same time. The counts
+// that exact when send phases of other areas (other streams) publish at the same time. The counts
 // of an area only grow (docs/low_latency.md), so nothing is ever taken back.
 __device__ __forceinline__ void publish_release_signal(const DeviceView& view, int area, int peer, int64_t released) {
   auto* last = view.local<long long>(WorkspaceLayout::ll_published_offset + (int64_t{area} * kMaxRanks + peer) * 8);
@@ -299,9 +305,9 @@ __device__ __forceinline__ scaleout::DeferredQueue* transport_queue() {
 }
 
 // Epoch of the operation being sent: one more than the operations whose receive phase already ran
-// on this area. Only receive phases write ready[me] in my window: a receive kernel is stream-
-// ordered after its send kernel, and a one-kernel operation bumps it from its last CTA to finish
-// (every CTA read it at its start), so every CTA of a send phase reads the same value.
+// on this area. Only receive phases write ready[me] in my window, from the last CTA of their launch
+// to finish (every CTA of a launch running both phases read it at its start; a receive-only launch
+// is stream-ordered after its send launch), so every CTA of a send phase reads the same value.
 __device__ __forceinline__ int64_t send_epoch(const DeviceView& view, const LowLatencyLayout& layout,
                                               int64_t area_offset) {
   return ptx::ld_relaxed_sys(flags_cell(view, view.rank, layout, area_offset, view.rank)) + 1;
@@ -352,17 +358,17 @@ __device__ __forceinline__ bool begin_send(const DeviceView& view, const LowLate
 // every peer how many operations of each area this rank has released: on this operation's area
 // every earlier one (epoch - 1); on the area of the previous operation all but that one; on any
 // other area every received one (all are at least two operations old). Then it records this
-// operation as the previous one. Every CTA of the grid calls it once it has no send round left
-// (with claimed rounds: after its last claim), so the last one also sets the area's claim counter
-// back to 0. Returns true in every thread of the last CTA (every other CTA is then done with the
-// send phase's window accesses), false elsewhere.
+// operation as the previous one. Every CTA of the grid calls it after its last (empty) claim of a
+// send round, so the last one also sets the area's claim counter back to 0. Returns true in every
+// thread of the last CTA (every other CTA is then done with the send phase's window accesses),
+// false elsewhere.
 __device__ __forceinline__ bool end_send(const DeviceView& view, const LowLatencyLayout& layout, int64_t ll_offset,
                                          int area, int64_t epoch, const int32_t* rank_mask) {
   int32_t* counter = scratch_int(view, LowLatencyScratch::kSendFinish, area);
   __shared__ int is_last;
   __shared__ int64_t previous[kLowLatencyStateWords];
   __shared__ int64_t received[kLowLatencyAreas];
-  static_assert(kLowLatencySendThreads >= 64 + kLowLatencyAreas && kLowLatencyStateWords <= 32, "end_send's loaders");
+  static_assert(kLowLatencyThreads >= 64 + kLowLatencyAreas && kLowLatencyStateWords <= 32, "end_send's loaders");
   int64_t* state = view.local<int64_t>(ll_offset + layout.combine_flags_offset + int64_t{view.num_ranks} * 8);
   __syncthreads();
   const int thread = static_cast<int>(threadIdx.x);

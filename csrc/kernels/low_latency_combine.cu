@@ -17,6 +17,10 @@
 // the dispatch this combine answers lives in another area). The receive side waits on the signals
 // (never reset: the last CTA advances the shadows).
 // With the lsa transport a row for another node is stored straight into it instead (no staging).
+//
+// One kernel function, ll_combine_kernel, runs the phases its LowLatencyPhases argument names:
+// both in one launch (no receive hook), or the send phase and later, launched again by the hook,
+// the receive phase.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -37,8 +41,7 @@
 namespace deep_ep {
 namespace {
 
-constexpr int kSendWarps = kLowLatencySendThreads / 32;
-constexpr int kRecvWarps = kLowLatencyRecvThreads / 32;
+constexpr int kWarps = kLowLatencyThreads / 32;
 constexpr int kUnitsPerRound = 32;  // (local expert, source) units a send CTA handles together
 constexpr int kCopyUnroll = 16;     // 16-byte vectors in flight per lane (send)
 constexpr int kReduceUnroll = 2;    // vectors per lane reduced together (receive)
@@ -64,10 +67,9 @@ __device__ __forceinline__ void put_row(const LowLatencyCombineArgs& args, scale
       staging, row_bytes);
 }
 
-// The send phase (see the file comment): rounds of kUnitsPerRound units, taken in turn by each CTA
-// (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel combine;
-// low_latency::next_send_round says why).
-template <bool kScaleout, bool kClaimed>
+// The send phase (see the file comment): rounds of kUnitsPerRound units, claimed by running CTAs
+// (low_latency::next_send_round says why).
+template <bool kScaleout>
 __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   __shared__ int unit_counts[kUnitsPerRound];
   __shared__ int64_t unit_first_x_row[kUnitsPerRound];
@@ -83,13 +85,13 @@ __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   const int64_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
   int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
   const int num_rounds = low_latency::num_send_rounds(num_units, kUnitsPerRound);
-  int round = low_latency::next_send_round<kClaimed>(claims, -1);
-  // A CTA without a round (a one-kernel combine whose other CTAs took them all) neither gates nor
-  // stamps: only the CTAs that send leave send stamps.
+  int round = low_latency::next_send_round(claims);
+  // A CTA without a round (its grid's other CTAs took them all) neither gates nor stamps: only the
+  // CTAs that send leave send stamps.
   const bool sends = round < num_rounds;
   if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 0);
   // The whole CTA is the transport group (barrier 1); the queue is first used after begin_send.
-  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  const scaleout::WarpGroup group{1, kLowLatencyThreads, static_cast<int>(threadIdx.x)};
   scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
   if constexpr (kScaleout) transport.init(group);
   const bool open = sends && low_latency::begin_send(view, layout, args.area, args.area_offset, epoch, round == 0,
@@ -101,7 +103,7 @@ __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   // so neighbouring CTAs write to different ranks. A unit has few rows (about T * K / E), so the
   // rows of a whole round are spread over the warps together. After a timeout the CTA still takes
   // its rounds (claimed ones are nobody else's) but sends nothing.
-  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+  for (; round < num_rounds; round = low_latency::next_send_round(claims)) {
     if (!open) continue;
     const low_latency::SendRound units = low_latency::send_round(round, kUnitsPerRound);
     const auto unit_of = [&](int j) { return units.base + j * units.stride; };
@@ -140,7 +142,7 @@ __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
       const int64_t first_row = int64_t{unit} * layout.num_max_tokens;  // headers: rows [l][s][0, count)
       const int64_t first_x_row = unit_first_x_row[j];
       int4* payload = view.peer<int4>(unit % num_ranks, args.area_offset + layout.combine_payload_offset);
-      for (int i = ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps; i < count; i += kSendWarps) {
+      for (int i = ((warp - rows_before) % kWarps + kWarps) % kWarps; i < count; i += kWarps) {
         const int64_t row = first_row + i;
         const int4 header = headers[row];  // written by the dispatch's senders: a coherent load
         const int token = header.x;
@@ -199,11 +201,6 @@ __device__ __forceinline__ void send_phase(const LowLatencyCombineArgs& args) {
   if (sends) clock_phase(view, ClockedKernel::kLlCombineSend, 4);
 }
 
-template <bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_send_kernel(const LowLatencyCombineArgs args) {
-  send_phase<kScaleout, false>(args);
-}
-
 __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[8]) {
   int4 packed;
   auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
@@ -219,15 +216,14 @@ __host__ __device__ __forceinline__ int reduce_chunks_per_token(int hidden) {
 }
 __host__ __device__ __forceinline__ int reduce_ctas(int num_tokens, int hidden) {
   const int64_t num_items = int64_t{num_tokens} * reduce_chunks_per_token(hidden);
-  return static_cast<int>(num_items > kRecvWarps ? (num_items + kRecvWarps - 1) / kRecvWarps : 1);
+  return static_cast<int>(num_items > kWarps ? (num_items + kWarps - 1) / kWarps : 1);
 }
 
-// The receive phase. Every CTA that sums rows (all of the receive kernel's, the first reduce_ctas
-// of the one-kernel combine's, `kFused`) waits for all L * R arrival cells (a token may have rows
-// from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to finish
-// its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen every
-// cell and read the epoch. Then the warps reduce the K slots of each token.
-template <bool kFused>
+// The receive phase. Every CTA that sums rows (the first reduce_ctas of the grid: all of a
+// receive-only launch's, which has no more) waits for all L * R arrival cells (a token may have
+// rows from any of them). The grid's last CTA to finish waiting (or, a CTA that sums nothing, to
+// finish its send phase) resets the cells and bumps the area's epoch: by then every CTA has seen
+// every cell and read the epoch. Then the warps reduce the K slots of each token.
 __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args) {
   __shared__ int failed;
   const DeviceView& view = args.view;
@@ -236,7 +232,7 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   const int num_cells = layout.num_local_experts * num_ranks;
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const bool receives = !kFused || static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
+  const bool receives = static_cast<int>(blockIdx.x) < reduce_ctas(args.num_tokens, args.hidden);
 
   if (receives) {
     clock_phase(view, ClockedKernel::kLlCombineRecv, 0);
@@ -308,8 +304,7 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   const int64_t num_items = int64_t{args.num_tokens} * chunks_per_token;
   const auto* payload = view.local<const int4>(args.area_offset + layout.combine_payload_offset);
   auto* out = static_cast<int4*>(args.out);
-  for (int64_t item = int64_t{blockIdx.x} * kRecvWarps + warp; item < num_items;
-       item += int64_t{gridDim.x} * kRecvWarps) {
+  for (int64_t item = int64_t{blockIdx.x} * kWarps + warp; item < num_items; item += int64_t{gridDim.x} * kWarps) {
     const int token = static_cast<int>(item / chunks_per_token);
     const int first = static_cast<int>(item % chunks_per_token) * chunk_vectors + lane;
     int expert = -1;
@@ -359,16 +354,12 @@ __device__ __forceinline__ void receive_phase(const LowLatencyCombineArgs& args)
   clock_phase(view, ClockedKernel::kLlCombineRecv, 2);
 }
 
-__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) combine_recv_kernel(const LowLatencyCombineArgs args) {
-  receive_phase<false>(args);
-}
-
-// One kernel per operation (no receive hook): the send phase with claimed rounds, then the receive.
+// The LL combine, every mode: the phases `phases` names (LowLatencyPhases).
 template <bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1) combine_fused_kernel(const LowLatencyCombineArgs args) {
-  static_assert(kLowLatencySendThreads == kLowLatencyRecvThreads, "one block size for both phases");
-  send_phase<kScaleout, true>(args);
-  receive_phase<true>(args);
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    ll_combine_kernel(const LowLatencyCombineArgs args, LowLatencyPhases phases) {
+  if (runs_phase(phases, LowLatencyPhases::kSend)) send_phase<kScaleout>(args);
+  if (runs_phase(phases, LowLatencyPhases::kReceive)) receive_phase(args);
 }
 
 void check_args(const LowLatencyCombineArgs& args) {
@@ -380,46 +371,35 @@ void check_args(const LowLatencyCombineArgs& args) {
   check_grid_size(args.view, "num_sms", args.num_sms);
 }
 
-}  // namespace
-
-void launch_low_latency_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream) {
-  check_args(args);
-  const int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts * args.view.num_ranks);
-  if (args.view.ll_ranks_per_node > 0) {
-    combine_send_kernel<true><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
-  } else {
-    combine_send_kernel<false><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
-  }
-  EP_CHECK_LAUNCH("low_latency_combine_send");
-}
-
-void launch_low_latency_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream) {
-  check_args(args);
-  const int grid = std::clamp(args.num_sms, 1, reduce_ctas(args.num_tokens, args.hidden));
-  combine_recv_kernel<<<grid, kLowLatencyRecvThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("low_latency_combine_recv");
-}
-
-void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream) {
-  check_args(args);
-  // As many CTAs as the larger phase uses: the send's units or the receive's reducing CTAs.
-  const int grid = std::clamp(
-      args.num_sms, 1,
-      std::max(args.layout.num_local_experts * args.view.num_ranks, reduce_ctas(args.num_tokens, args.hidden)));
-  if (args.view.ll_ranks_per_node > 0) {
-    combine_fused_kernel<true><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
-  } else {
-    combine_fused_kernel<false><<<grid, kLowLatencySendThreads, 0, stream>>>(args);
-  }
+// One launch of ll_combine_kernel: a send phase takes up to one CTA per (local expert, source)
+// unit, a receive phase up to one per reduce_ctas, a launch of both the larger of the two. The
+// grid differs per phase, the kernel function (and its instantiation) does not.
+template <bool kScaleout>
+void launch_combine(const LowLatencyCombineArgs& args, LowLatencyPhases phases, cudaStream_t stream) {
+  const int send_ctas =
+      runs_phase(phases, LowLatencyPhases::kSend) ? args.layout.num_local_experts * args.view.num_ranks : 0;
+  const int receive_ctas =
+      runs_phase(phases, LowLatencyPhases::kReceive) ? reduce_ctas(args.num_tokens, args.hidden) : 0;
+  const int grid = std::clamp(args.num_sms, 1, std::max(send_ctas, receive_ctas));
+  ll_combine_kernel<kScaleout><<<grid, kLowLatencyThreads, 0, stream>>>(args, phases);
   EP_CHECK_LAUNCH("low_latency_combine");
 }
 
+}  // namespace
+
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, LowLatencyPhases phases, cudaStream_t stream) {
+  check_args(args);
+  check_low_latency_phases(phases);
+  if (args.view.ll_ranks_per_node > 0) {
+    launch_combine<true>(args, phases, stream);
+  } else {
+    launch_combine<false>(args, phases, stream);
+  }
+}
+
 void preload_low_latency_combine_kernels() {
-  preload_kernel(combine_send_kernel<false>, "ll combine send");
-  preload_kernel(combine_send_kernel<true>, "ll combine send across nodes");
-  preload_kernel(combine_recv_kernel, "ll combine receive");
-  preload_kernel(combine_fused_kernel<false>, "ll combine in one kernel");
-  preload_kernel(combine_fused_kernel<true>, "ll combine in one kernel across nodes");
+  preload_kernel(ll_combine_kernel<false>, "ll combine");
+  preload_kernel(ll_combine_kernel<true>, "ll combine across nodes");
 }
 
 }  // namespace deep_ep

@@ -21,6 +21,12 @@
 // the same bytes.
 // With the lsa transport the rows and headers are stored straight into the peer instead (as within
 // a node); only the arrival goes through the transport.
+//
+// One kernel function, ll_dispatch_kernel, runs the phases its LowLatencyPhases argument names:
+// both in one launch (no receive hook), or the send phase and later, launched again by the hook,
+// the receive phase. Both phases use the launch's dynamic shared memory (the send phase's routing
+// and token lists, then the receive phase's prefix of the counts): a CTA receives only after its
+// send phase is over, so one buffer of the larger size serves both.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,11 +46,17 @@
 namespace deep_ep {
 namespace {
 
-constexpr int kSendWarps = kLowLatencySendThreads / 32;
+constexpr int kWarps = kLowLatencyThreads / 32;
 constexpr int kSlotBits = 5;  // top-k slot in the low bits of a list entry (K <= kMaxTopK = 32)
 static_assert(kMaxTopK <= (1 << kSlotBits), "top-k slot must fit in a list entry");
 constexpr int kBf16Unroll = 16;  // 16-byte vectors in flight per lane
 constexpr int kFp8Unroll = 8;    // 128-channel group pairs in flight per warp
+
+// The launch's dynamic shared memory, shared by the phases (see the file comment).
+__device__ __forceinline__ uint8_t* dynamic_shared() {
+  extern __shared__ __align__(16) uint8_t shared[];
+  return shared;
+}
 
 __device__ __forceinline__ void send_bf16_row(const LowLatencyDispatchArgs& args, int dest, int64_t row, int token,
                                               int lane) {
@@ -242,16 +254,15 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
     // Receive slot of (local expert l, source me): rows [(l * R + me) * T_ll, + count).
     const int64_t first_row = (int64_t{expert % num_local} * num_ranks + view.rank) * layout.num_max_tokens;
     // A masked destination gets nothing (warps may disagree when it is masked meanwhile: harmless).
-    const int first_i =
-        peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kSendWarps + kSendWarps) % kSendWarps;
+    const int first_i = peer_masked(args.rank_mask, dest) ? count : ((warp - rows_before) % kWarps + kWarps) % kWarps;
     // lsa puts are plain stores anyway: store straight into the peer as within a node (no staging
     // write and re-read); the arrival signal covers these stores as it covers a put.
     const bool remote = kScaleout && low_latency::via_transport(view, dest) && !low_latency::stores_directly(view);
     // When the call has at most one row per warp of the grid, each row's warp quantises the token
     // itself: the warps work in parallel anyway, and the shared staging row would put a store, a
     // fence, another warp's flag wait and a reload between x and the destination. Same bytes.
-    const bool quantise_here = int64_t{num_tokens} * num_topk <= int64_t{gridDim.x} * kSendWarps;
-    for (int i = first_i; i < count; i += kSendWarps) {
+    const bool quantise_here = int64_t{num_tokens} * num_topk <= int64_t{gridDim.x} * kWarps;
+    for (int i = first_i; i < count; i += kWarps) {
       const int32_t entry = lists[j * num_tokens + i];
       const int token = entry >> kSlotBits;
       const int64_t row = first_row + i;
@@ -279,14 +290,14 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
     // group, so each signal covers the puts every warp of the CTA issued to that peer. Whether
     // an expert's rank gets a signal is decided once (a mask may change meanwhile, and every
     // thread must take part in the same signals).
-    __shared__ int signal_expert[kSendWarps];
+    __shared__ int signal_expert[kWarps];
     if (static_cast<int>(threadIdx.x) < experts_per_round) {
       const int expert = expert_of(threadIdx.x);
       signal_expert[threadIdx.x] = expert < args.num_experts && low_latency::via_transport(view, expert / num_local) &&
                                    !peer_masked(args.rank_mask, expert / num_local);
     }
     __syncthreads();
-    for (int j = warp; j < experts_per_round; j += kSendWarps) {
+    for (int j = warp; j < experts_per_round; j += kWarps) {
       if (signal_expert[j] == 0 || list_sizes[j] == 0 || low_latency::stores_directly(view)) continue;
       const int expert = expert_of(j);
       const int dest = expert / num_local;
@@ -322,13 +333,12 @@ __device__ __forceinline__ void send_round(const LowLatencyDispatchArgs& args, c
   clock_phase(view, ClockedKernel::kLlDispatchSend, 4);
 }
 
-// The send phase (see the file comment); rounds of experts_per_round experts, taken in turn by
-// each CTA (kClaimed = false: the send kernel) or claimed by running CTAs (the one-kernel dispatch;
-// low_latency::next_send_round says why).
-template <bool kUseFp8, bool kScaleout, bool kClaimed>
+// The send phase (see the file comment); rounds of experts_per_round experts, claimed by running
+// CTAs (low_latency::next_send_round says why).
+template <bool kUseFp8, bool kScaleout>
 __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, int experts_per_round) {
-  extern __shared__ __align__(16) uint8_t shared[];
-  __shared__ int list_sizes[kSendWarps];
+  uint8_t* shared = dynamic_shared();
+  __shared__ int list_sizes[kWarps];
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_tokens = args.num_tokens;
@@ -341,9 +351,9 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
   const int64_t epoch = low_latency::send_epoch(view, layout, args.area_offset);
   int32_t* claims = low_latency::scratch_int(view, LowLatencyScratch::kSendClaim, args.area);
   const int num_rounds = low_latency::num_send_rounds(args.num_experts, experts_per_round);
-  int round = low_latency::next_send_round<kClaimed>(claims, -1);
-  // A CTA without a round (a one-kernel dispatch whose other CTAs took them all) neither gates nor
-  // stamps: only the CTAs that send leave send stamps.
+  int round = low_latency::next_send_round(claims);
+  // A CTA without a round (its grid's other CTAs took them all) neither gates nor stamps: only the
+  // CTAs that send leave send stamps.
   const bool sends = round < num_rounds;
   if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 0);
   for (int i = threadIdx.x; sends && i < num_tokens * num_topk; i += blockDim.x) {
@@ -352,7 +362,7 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
   }
   // The whole CTA is the transport group (barrier 1; __syncthreads is barrier 0). The queue is
   // reset here and first used after begin_send's __syncthreads.
-  const scaleout::WarpGroup group{1, kLowLatencySendThreads, static_cast<int>(threadIdx.x)};
+  const scaleout::WarpGroup group{1, kLowLatencyThreads, static_cast<int>(threadIdx.x)};
   scaleout::Transport transport(view, low_latency::transport_queue<kScaleout>());
   if constexpr (kScaleout) transport.init(group);
   // Also the __syncthreads that makes expert_ids visible to the whole CTA.
@@ -360,7 +370,7 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
                                                      Operation::kLlDispatch, args.rank_mask);
   if (open) clock_phase(view, ClockedKernel::kLlDispatchSend, 1);
   // After a timeout the CTA still takes its rounds (claimed ones are nobody else's) but sends nothing.
-  for (; round < num_rounds; round = low_latency::next_send_round<kClaimed>(claims, round)) {
+  for (; round < num_rounds; round = low_latency::next_send_round(claims)) {
     if (open) {
       send_round<kUseFp8, kScaleout>(args, expert_ids, lists, list_sizes, experts_per_round,
                                      low_latency::send_round(round, experts_per_round), transport, group);
@@ -376,12 +386,6 @@ __device__ __forceinline__ void send_phase(const LowLatencyDispatchArgs& args, i
     for (int token = threadIdx.x; token < num_tokens; token += blockDim.x) flags[token] = 0;
   }
   if (sends) clock_phase(view, ClockedKernel::kLlDispatchSend, 5);
-}
-
-template <bool kUseFp8, bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
-    dispatch_send_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
-  send_phase<kUseFp8, kScaleout, false>(args, experts_per_round);
 }
 
 // Writes one received row's fp8 scales (G fp32 values in the window) in the output format.
@@ -419,13 +423,14 @@ __device__ __forceinline__ void store_scales(const LowLatencyDispatchArgs& args,
 // area has started, which is after this kernel). Warp 0 then turns the counts into each source's
 // first output row, and the warps copy the rows out of the window when recv_x is given (compact
 // rows; the source of output row r is the last s whose first row is <= r). The rows were written
-// while this kernel ran (by peers, and in the one-kernel dispatch by this grid): loads through L2.
-// Last, the area's epoch is bumped: by CTA 0 in the receive kernel (stream-ordered after the
-// send), by the grid's last CTA to finish in the one-kernel dispatch (`kFused`), since every CTA
-// reads the epoch when it starts.
-template <bool kFused>
+// while this kernel ran (by peers, and in a launch running both phases by this grid): loads
+// through L2. Last, the grid's last CTA to finish bumps the area's epoch: in a launch running both
+// phases every CTA reads the epoch when it starts, so no earlier CTA may bump it.
 __device__ __forceinline__ void receive_phase(const LowLatencyDispatchArgs& args) {
-  __shared__ int first_row[kMaxRanks + 1];  // exclusive prefix of the counts over sources; [R] = total
+  // Exclusive prefix of the counts over sources; [R] = total (receive_bytes). In dynamic shared
+  // memory, where the send phase's routing was: the receive phase then costs the dispatch's largest
+  // call no shared memory.
+  auto* first_row = reinterpret_cast<int*>(dynamic_shared());
   const DeviceView& view = args.view;
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = view.num_ranks;
@@ -511,7 +516,7 @@ __device__ __forceinline__ void receive_phase(const LowLatencyDispatchArgs& args
       const int num_vectors = static_cast<int>(row_bytes / 16);
       const auto* payload = view.local<const int4>(args.area_offset + layout.dispatch_payload_offset);
       const auto* scales = view.local<const float>(args.area_offset + layout.dispatch_scales_offset);
-      for (int row = warp; row < total; row += kLowLatencyRecvThreads / 32) {
+      for (int row = warp; row < total; row += kLowLatencyThreads / 32) {
         int low = 0;
         int high = num_ranks - 1;
         while (low < high) {
@@ -536,27 +541,26 @@ __device__ __forceinline__ void receive_phase(const LowLatencyDispatchArgs& args
     }
     __syncthreads();  // first_row is rewritten for the next local expert
   }
-  if constexpr (kFused) {
-    if (low_latency::last_to_finish(view, args.area)) {
-      if (threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
-    }
-  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
-    low_latency::bump_epoch(view, args.layout, args.area_offset);
+  if (low_latency::last_to_finish(view, args.area)) {
+    if (threadIdx.x == 0) low_latency::bump_epoch(view, args.layout, args.area_offset);
   }
   if (receives) clock_phase(view, ClockedKernel::kLlDispatchRecv, 2);
 }
 
-__global__ void __launch_bounds__(kLowLatencyRecvThreads, 1) dispatch_recv_kernel(const LowLatencyDispatchArgs args) {
-  receive_phase<false>(args);
-}
-
-// One kernel per operation (no receive hook): the send phase with claimed rounds, then the receive.
+// The LL dispatch, every mode: the phases `phases` names (LowLatencyPhases). `experts_per_round`:
+// the send phase's rounds (launch_dispatch sizes them to the dynamic shared memory). The receive
+// phase has two call sites so that a launch of both phases is the send phase followed by the
+// receive phase with no branch around the send phase: with one call site after a conditional send
+// phase, ptxas spilled more (bf16 across nodes: 52 / 80 bytes instead of 8 / 8).
 template <bool kUseFp8, bool kScaleout>
-__global__ void __launch_bounds__(kLowLatencySendThreads, 1)
-    dispatch_fused_kernel(const LowLatencyDispatchArgs args, int experts_per_round) {
-  static_assert(kLowLatencySendThreads == kLowLatencyRecvThreads, "one block size for both phases");
-  send_phase<kUseFp8, kScaleout, true>(args, experts_per_round);
-  receive_phase<true>(args);
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    ll_dispatch_kernel(const LowLatencyDispatchArgs args, int experts_per_round, LowLatencyPhases phases) {
+  if (phases == LowLatencyPhases::kReceive) {
+    receive_phase(args);
+    return;
+  }
+  send_phase<kUseFp8, kScaleout>(args, experts_per_round);
+  if (phases == LowLatencyPhases::kBoth) receive_phase(args);
 }
 
 void check_args(const LowLatencyDispatchArgs& args) {
@@ -612,64 +616,40 @@ int64_t routing_bytes(int64_t tokens, int64_t topk) { return align_up(tokens * t
 int64_t worst_send_bytes(const LowLatencyLayout& layout) {
   return routing_bytes(layout.num_max_tokens, layout.num_topk) + layout.num_max_tokens * 4;
 }
+// Dynamic shared memory of a receive phase: the prefix of the counts over the sources, and the total.
+int64_t receive_bytes(int num_ranks) { return int64_t{num_ranks + 1} * 4; }
 
-// Launches a kernel with a send phase (the send kernel or the one-kernel dispatch): as many experts
-// per round as the shared memory left after the routing holds lists for, up to one per warp.
-template <auto kKernel>
-void launch_with_send_phase(const LowLatencyDispatchArgs& args, int grid, cudaStream_t stream) {
-  const SharedMemory memory = shared_memory_of<kKernel>();
-  const int64_t list_bytes = int64_t{args.num_tokens} * 4;
-  const int64_t ids_bytes = routing_bytes(args.num_tokens, args.num_topk);
-  const int experts_per_round =
-      list_bytes == 0
-          ? kSendWarps
-          : static_cast<int>(std::min<int64_t>(kSendWarps, (memory.dynamic_budget - ids_bytes) / list_bytes));
-  const int64_t shared_bytes = ids_bytes + experts_per_round * list_bytes;
+// One launch of ll_dispatch_kernel. A send phase takes as many experts per round as the dynamic
+// shared memory left after the routing holds lists for, up to one per warp, on a grid of up to one
+// CTA per expert; a receive-only launch has up to one CTA per local expert. The grid and the
+// shared memory differ per phase, the kernel function (and its instantiation) does not.
+template <bool kUseFp8, bool kScaleout>
+void launch_dispatch(const LowLatencyDispatchArgs& args, LowLatencyPhases phases, cudaStream_t stream) {
+  constexpr auto kernel = ll_dispatch_kernel<kUseFp8, kScaleout>;
+  const SharedMemory memory = shared_memory_of<kernel>();
+  int grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
+  int experts_per_round = 0;
+  int64_t shared_bytes = 0;
+  if (runs_phase(phases, LowLatencyPhases::kSend)) {
+    // That the buffer's largest call fits was checked when it was built (check_low_latency_dispatch_fits),
+    // so at least one list fits beside the routing.
+    const int64_t list_bytes = int64_t{args.num_tokens} * 4;
+    const int64_t ids_bytes = routing_bytes(args.num_tokens, args.num_topk);
+    experts_per_round =
+        list_bytes == 0 ? kWarps
+                        : static_cast<int>(std::min<int64_t>(kWarps, (memory.dynamic_budget - ids_bytes) / list_bytes));
+    shared_bytes = ids_bytes + experts_per_round * list_bytes;
+    grid = std::clamp(args.num_sms, 1, args.num_experts);
+  }
+  if (runs_phase(phases, LowLatencyPhases::kReceive)) {
+    shared_bytes = std::max(shared_bytes, receive_bytes(args.view.num_ranks));
+  }
   if (shared_bytes + memory.static_bytes > kDefaultDynamicSharedBytes) {
     EP_CUDA_CHECK(
-        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
   }
-  kKernel<<<grid, kLowLatencySendThreads, shared_bytes, stream>>>(args, experts_per_round);
-}
-
-// What a dispatch launcher runs: the send kernel, the receive kernel, or both phases (in one kernel
-// when the buffer's largest call fits the one-kernel dispatch's shared memory, else the two kernels).
-enum class Phases { kSend, kReceive, kBoth };
-
-template <bool kUseFp8, bool kScaleout>
-void launch_dispatch(const LowLatencyDispatchArgs& args, Phases phases, cudaStream_t stream) {
-  constexpr auto send_kernel = dispatch_send_kernel<kUseFp8, kScaleout>;
-  constexpr auto fused_kernel = dispatch_fused_kernel<kUseFp8, kScaleout>;
-  const int send_grid = std::clamp(args.num_sms, 1, args.num_experts);
-  const int recv_grid = std::clamp(args.num_sms, 1, args.layout.num_local_experts);
-  // Decided from the buffer's sizing, not from this call's T: every rank falls back to two kernels
-  // alike, or the ranks that launched one kernel would wait for one that did not. (That the send
-  // kernel fits was checked when the buffer was built: check_low_latency_dispatch_fits.)
-  const int64_t worst = worst_send_bytes(args.layout);
-  if (phases == Phases::kBoth && worst <= shared_memory_of<fused_kernel>().dynamic_budget) {
-    launch_with_send_phase<fused_kernel>(args, send_grid, stream);
-    EP_CHECK_LAUNCH("low_latency_dispatch");
-    return;
-  }
-  if (phases != Phases::kReceive) {
-    launch_with_send_phase<send_kernel>(args, send_grid, stream);
-    EP_CHECK_LAUNCH("low_latency_dispatch_send");
-  }
-  if (phases != Phases::kSend) {
-    dispatch_recv_kernel<<<recv_grid, kLowLatencyRecvThreads, 0, stream>>>(args);
-    EP_CHECK_LAUNCH("low_latency_dispatch_recv");
-  }
-}
-
-void launch(const LowLatencyDispatchArgs& args, Phases phases, cudaStream_t stream) {
-  check_args(args);
-  if (args.view.ll_ranks_per_node > 0) {
-    args.use_fp8 ? launch_dispatch<true, true>(args, phases, stream)
-                 : launch_dispatch<false, true>(args, phases, stream);
-  } else {
-    args.use_fp8 ? launch_dispatch<true, false>(args, phases, stream)
-                 : launch_dispatch<false, false>(args, phases, stream);
-  }
+  kernel<<<grid, kLowLatencyThreads, shared_bytes, stream>>>(args, experts_per_round, phases);
+  EP_CHECK_LAUNCH("low_latency_dispatch");
 }
 
 }  // namespace
@@ -691,12 +671,20 @@ void check_low_latency_call(const LowLatencyLayout& layout, int num_ranks, int n
                  std::to_string(num_topk));
 }
 
+void check_low_latency_phases(LowLatencyPhases phases) {
+  const int value = static_cast<int>(phases);
+  EP_REQUIRE(value >= static_cast<int>(LowLatencyPhases::kSend) && value <= static_cast<int>(LowLatencyPhases::kBoth),
+             "phases must be 1 (send), 2 (receive) or 3 (both), got " + std::to_string(value));
+}
+
 void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleout) {
-  // The send kernel of either message type (the call picks fp8 or bf16) for this buffer's reach.
-  const int64_t budget = scaleout ? std::min(shared_memory_of<dispatch_send_kernel<true, true>>().dynamic_budget,
-                                             shared_memory_of<dispatch_send_kernel<false, true>>().dynamic_budget)
-                                  : std::min(shared_memory_of<dispatch_send_kernel<true, false>>().dynamic_budget,
-                                             shared_memory_of<dispatch_send_kernel<false, false>>().dynamic_budget);
+  // The dispatch kernel of either message type (the call picks fp8 or bf16) for this buffer's reach.
+  const int64_t budget = scaleout ? std::min(shared_memory_of<ll_dispatch_kernel<true, true>>().dynamic_budget,
+                                             shared_memory_of<ll_dispatch_kernel<false, true>>().dynamic_budget)
+                                  : std::min(shared_memory_of<ll_dispatch_kernel<true, false>>().dynamic_budget,
+                                             shared_memory_of<ll_dispatch_kernel<false, false>>().dynamic_budget);
+  // The receive phase's bytes (at most kMaxRanks + 1 ints) reuse the send phase's and always fit:
+  // only the send phase's routing and token list grow with the buffer.
   const int64_t worst = worst_send_bytes(layout);
   // routing_bytes rounds T * K * 2 (even) up to 16 bytes: at most 14 bytes more.
   const int64_t largest = std::max<int64_t>(0, (budget - 14) / (2 * int64_t{layout.num_topk} + 4));
@@ -708,28 +696,23 @@ void check_low_latency_dispatch_fits(const LowLatencyLayout& layout, bool scaleo
                  "num_max_dispatch_tokens_per_rank must be at most " + std::to_string(largest) + " with " + top_k);
 }
 
-void launch_low_latency_dispatch_send(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  launch(args, Phases::kSend, stream);
-}
-
-void launch_low_latency_dispatch_recv(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  launch(args, Phases::kReceive, stream);
-}
-
-void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  launch(args, Phases::kBoth, stream);
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, LowLatencyPhases phases, cudaStream_t stream) {
+  check_args(args);
+  check_low_latency_phases(phases);
+  if (args.view.ll_ranks_per_node > 0) {
+    args.use_fp8 ? launch_dispatch<true, true>(args, phases, stream)
+                 : launch_dispatch<false, true>(args, phases, stream);
+  } else {
+    args.use_fp8 ? launch_dispatch<true, false>(args, phases, stream)
+                 : launch_dispatch<false, false>(args, phases, stream);
+  }
 }
 
 void preload_low_latency_dispatch_kernels() {
-  preload_kernel(dispatch_send_kernel<true, false>, "ll dispatch send (fp8)");
-  preload_kernel(dispatch_send_kernel<false, false>, "ll dispatch send (bf16)");
-  preload_kernel(dispatch_send_kernel<true, true>, "ll dispatch send across nodes (fp8)");
-  preload_kernel(dispatch_send_kernel<false, true>, "ll dispatch send across nodes (bf16)");
-  preload_kernel(dispatch_recv_kernel, "ll dispatch receive");
-  preload_kernel(dispatch_fused_kernel<true, false>, "ll dispatch in one kernel (fp8)");
-  preload_kernel(dispatch_fused_kernel<false, false>, "ll dispatch in one kernel (bf16)");
-  preload_kernel(dispatch_fused_kernel<true, true>, "ll dispatch in one kernel across nodes (fp8)");
-  preload_kernel(dispatch_fused_kernel<false, true>, "ll dispatch in one kernel across nodes (bf16)");
+  preload_kernel(ll_dispatch_kernel<true, false>, "ll dispatch (fp8)");
+  preload_kernel(ll_dispatch_kernel<false, false>, "ll dispatch (bf16)");
+  preload_kernel(ll_dispatch_kernel<true, true>, "ll dispatch across nodes (fp8)");
+  preload_kernel(ll_dispatch_kernel<false, true>, "ll dispatch across nodes (bf16)");
 }
 
 }  // namespace deep_ep

@@ -5,12 +5,13 @@
 // `input_failed`: this rank's input failed its host checks; it takes part without data (T = 0 for a
 // dispatch; zero rows, or none without a handle, for a combine) and its peers record why.
 // `rank_mask`: the buffer's int32 [R] rank mask (0: masking off).
+// `phases`: which phases of the operation the launch runs (LL_PHASE_*: both without a receive hook,
+// send and later receive with one); every value launches the same kernel function.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <utility>
 
 #include "common/geometry.hpp"
 #include "common/sizing.hpp"
@@ -105,6 +106,9 @@ void register_low_latency(py::module_& m) {
   m.attr("LL_SCALES_FP32_COL_MAJOR") = static_cast<int>(LowLatencyScales::kFp32ColMajor);
   m.attr("LL_SCALES_UE8M0_ROW_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0RowMajor);
   m.attr("LL_SCALES_UE8M0_COL_MAJOR") = static_cast<int>(LowLatencyScales::kUe8m0ColMajor);
+  m.attr("LL_PHASE_SEND") = static_cast<int>(LowLatencyPhases::kSend);
+  m.attr("LL_PHASE_RECEIVE") = static_cast<int>(LowLatencyPhases::kReceive);
+  m.attr("LL_PHASE_BOTH") = static_cast<int>(LowLatencyPhases::kBoth);
 
   m.def(
       "check_low_latency_dispatch_fits",
@@ -116,75 +120,63 @@ void register_low_latency(py::module_& m) {
       py::arg("num_ranks"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"),
       py::arg("num_topk"), py::arg("scaleout"));
 
-  const auto dispatch = [](void (*launch)(const LowLatencyDispatchArgs&, cudaStream_t)) {
-    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int area,
-                    std::uintptr_t x, std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8,
-                    std::uintptr_t recv_count, std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream,
-                    bool input_failed, bool round_scale, std::uintptr_t recv_x, std::uintptr_t recv_scales,
-                    int scales_format, std::uintptr_t recv_src_info, std::uintptr_t recv_layout_range,
-                    std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
-      const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyDispatchArgs args = dispatch_args(runtime, settings, area, x, topk_idx, num_tokens, num_topk, use_fp8,
-                                                  recv_count, count_per_source, num_sms);
-      args.input_failed = input_failed;
-      args.round_scale = round_scale;
-      if (scales_format < 0 || scales_format > static_cast<int>(LowLatencyScales::kUe8m0ColMajor)) {
-        throw std::invalid_argument("scales_format must be in [0, 3], got " + std::to_string(scales_format));
-      }
-      args.recv_x = pointer<void>(recv_x);
-      args.recv_scales = pointer<void>(recv_scales);
-      args.scales_format = static_cast<LowLatencyScales>(scales_format);
-      args.recv_src_info = pointer<int32_t>(recv_src_info);
-      args.recv_layout_range = pointer<int64_t>(recv_layout_range);
-      args.cumulative_recv_stats = pointer<int32_t>(cumulative_recv_stats);
-      args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
-      args.rank_mask = pointer<int32_t>(rank_mask);
-      launch(args, as_stream(stream));
-    };
-  };
-  const auto combine = [](void (*launch)(const LowLatencyCombineArgs&, cudaStream_t)) {
-    return [launch](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk,
-                    int dispatch_area, int area, std::uintptr_t x, std::uintptr_t count_per_source,
-                    std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens,
-                    int num_topk, int num_sms, std::uintptr_t stream, bool input_failed, std::uintptr_t layout_range,
-                    std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
-      const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
-      LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source, topk_idx,
-                                                topk_weights, out, num_tokens, num_topk, num_sms);
-      args.input_failed = input_failed;
-      args.layout_range = pointer<const int64_t>(layout_range);
-      args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
-      args.rank_mask = pointer<int32_t>(rank_mask);
-      launch(args, as_stream(stream));
-    };
-  };
-
-  // Send phase (x, topk_idx read), receive phase (recv_count, count_per_source and the row outputs
-  // written) and both in one launch (no hook) of one LL dispatch; all take the same arguments.
-  // recv_x = 0: per-source rows stay in the window; scales_format: LowLatencyScales.
-  for (const auto& [name, launch] : {std::pair{"low_latency_dispatch_send", &launch_low_latency_dispatch_send},
-                                     std::pair{"low_latency_dispatch_recv", &launch_low_latency_dispatch_recv},
-                                     std::pair{"low_latency_dispatch", &launch_low_latency_dispatch}}) {
-    m.def(name, dispatch(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
-          py::arg("num_experts"), py::arg("ll_topk"), py::arg("area"), py::arg("x"), py::arg("topk_idx"),
-          py::arg("num_tokens"), py::arg("num_topk"), py::arg("use_fp8"), py::arg("recv_count"),
-          py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"), py::arg("input_failed") = false,
-          py::arg("round_scale") = false, py::arg("recv_x") = 0, py::arg("recv_scales") = 0,
-          py::arg("scales_format") = 0, py::arg("recv_src_info") = 0, py::arg("recv_layout_range") = 0,
-          py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0, py::arg("rank_mask") = 0);
-  }
-  // Send phase (x, count_per_source read), receive phase (out written from topk_idx/weights) and
-  // both in one launch (no hook) of one LL combine.
-  for (const auto& [name, launch] : {std::pair{"low_latency_combine_send", &launch_low_latency_combine_send},
-                                     std::pair{"low_latency_combine_recv", &launch_low_latency_combine_recv},
-                                     std::pair{"low_latency_combine", &launch_low_latency_combine}}) {
-    m.def(name, combine(launch), py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"),
-          py::arg("num_experts"), py::arg("ll_topk"), py::arg("dispatch_area"), py::arg("area"), py::arg("x"),
-          py::arg("count_per_source"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"),
-          py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"), py::arg("stream"),
-          py::arg("input_failed") = false, py::arg("layout_range") = 0, py::arg("wait_cost_stats") = 0,
-          py::arg("rank_mask") = 0);
-  }
+  // The send phase reads x and topk_idx; the receive phase writes recv_count, count_per_source and
+  // the row outputs. recv_x = 0: per-source rows stay in the window; scales_format: LowLatencyScales.
+  m.def(
+      "low_latency_dispatch",
+      [](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int area, std::uintptr_t x,
+         std::uintptr_t topk_idx, int num_tokens, int num_topk, bool use_fp8, std::uintptr_t recv_count,
+         std::uintptr_t count_per_source, int num_sms, std::uintptr_t stream, int phases, bool input_failed,
+         bool round_scale, std::uintptr_t recv_x, std::uintptr_t recv_scales, int scales_format,
+         std::uintptr_t recv_src_info, std::uintptr_t recv_layout_range, std::uintptr_t cumulative_recv_stats,
+         std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
+        const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
+        LowLatencyDispatchArgs args = dispatch_args(runtime, settings, area, x, topk_idx, num_tokens, num_topk, use_fp8,
+                                                    recv_count, count_per_source, num_sms);
+        args.input_failed = input_failed;
+        args.round_scale = round_scale;
+        if (scales_format < 0 || scales_format > static_cast<int>(LowLatencyScales::kUe8m0ColMajor)) {
+          throw std::invalid_argument("scales_format must be in [0, 3], got " + std::to_string(scales_format));
+        }
+        args.recv_x = pointer<void>(recv_x);
+        args.recv_scales = pointer<void>(recv_scales);
+        args.scales_format = static_cast<LowLatencyScales>(scales_format);
+        args.recv_src_info = pointer<int32_t>(recv_src_info);
+        args.recv_layout_range = pointer<int64_t>(recv_layout_range);
+        args.cumulative_recv_stats = pointer<int32_t>(cumulative_recv_stats);
+        args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
+        args.rank_mask = pointer<int32_t>(rank_mask);
+        launch_low_latency_dispatch(args, static_cast<LowLatencyPhases>(phases), as_stream(stream));
+      },
+      py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("ll_topk"),
+      py::arg("area"), py::arg("x"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
+      py::arg("use_fp8"), py::arg("recv_count"), py::arg("count_per_source"), py::arg("num_sms"), py::arg("stream"),
+      py::arg("phases"), py::arg("input_failed") = false, py::arg("round_scale") = false, py::arg("recv_x") = 0,
+      py::arg("recv_scales") = 0, py::arg("scales_format") = 0, py::arg("recv_src_info") = 0,
+      py::arg("recv_layout_range") = 0, py::arg("cumulative_recv_stats") = 0, py::arg("wait_cost_stats") = 0,
+      py::arg("rank_mask") = 0);
+  // The send phase reads x and count_per_source; the receive phase writes out from topk_idx/weights.
+  m.def(
+      "low_latency_combine",
+      [](Runtime& runtime, int64_t num_max_tokens, int hidden, int num_experts, int ll_topk, int dispatch_area,
+         int area, std::uintptr_t x, std::uintptr_t count_per_source, std::uintptr_t topk_idx,
+         std::uintptr_t topk_weights, std::uintptr_t out, int num_tokens, int num_topk, int num_sms,
+         std::uintptr_t stream, int phases, bool input_failed, std::uintptr_t layout_range,
+         std::uintptr_t wait_cost_stats, std::uintptr_t rank_mask) {
+        const LowLatencySettings settings{num_max_tokens, hidden, num_experts, ll_topk};
+        LowLatencyCombineArgs args = combine_args(runtime, settings, dispatch_area, area, x, count_per_source, topk_idx,
+                                                  topk_weights, out, num_tokens, num_topk, num_sms);
+        args.input_failed = input_failed;
+        args.layout_range = pointer<const int64_t>(layout_range);
+        args.wait_cost_stats = pointer<int64_t>(wait_cost_stats);
+        args.rank_mask = pointer<int32_t>(rank_mask);
+        launch_low_latency_combine(args, static_cast<LowLatencyPhases>(phases), as_stream(stream));
+      },
+      py::arg("runtime"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("ll_topk"),
+      py::arg("dispatch_area"), py::arg("area"), py::arg("x"), py::arg("count_per_source"), py::arg("topk_idx"),
+      py::arg("topk_weights"), py::arg("out"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_sms"),
+      py::arg("stream"), py::arg("phases"), py::arg("input_failed") = false, py::arg("layout_range") = 0,
+      py::arg("wait_cost_stats") = 0, py::arg("rank_mask") = 0);
 }
 
 }  // namespace deep_ep

@@ -16,6 +16,8 @@ the library: an id outside ``[-1, E)`` is -1, and an expert repeated within a ro
 combined) once, in the slot of its first occurrence.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from deep_ep.fp8 import FP8_GROUP_SIZE, per_token_cast_to_fp8
@@ -46,8 +48,10 @@ def ll_dispatch(
     use_fp8: bool = True,
     round_scale: bool = False,
     recv_layout: str = "compact",
+    dests: Sequence[int] | None = None,
 ) -> list[dict]:
-    """What every rank receives, one dict per rank:
+    """What every rank receives, one dict per rank (per rank of ``dests`` when given, in its order:
+    a caller holding one destination's payload at a time keeps its memory to one rank's):
 
     * ``x`` [L, R*T_ll, H] (fp8 or bf16) and ``x_scales`` fp32 [L, R*T_ll, H/128] (fp8 only, else
       None; powers of two with ``round_scale``), rows in ``recv_layout`` order; invalid rows are zero;
@@ -78,7 +82,7 @@ def ll_dispatch(
     device, payload_dtype = xs[0].device, torch.float8_e4m3fn if use_fp8 else torch.bfloat16
     num_slots = num_ranks * num_max_tokens
     results = []
-    for dest in range(num_ranks):
+    for dest in range(num_ranks) if dests is None else dests:
         x = torch.zeros(num_local, num_slots, hidden, dtype=payloads[0][0].dtype, device=device)
         scales = torch.zeros(num_local, num_slots, hidden // FP8_GROUP_SIZE, device=device) if use_fp8 else None
         src_rank = torch.full((num_local, num_slots), -1, dtype=torch.int64, device=device)
@@ -128,8 +132,10 @@ def ll_combine(
     topk_weights_list: list[torch.Tensor],
     num_experts: int,
     num_max_tokens: int,
+    sources: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """bf16 [T_s, H] per source rank: ``bf16(sum_k w[t, k] * float(y_k))``.
+    """bf16 [T_s, H] per source rank (per rank of ``sources`` when given, in its order):
+    ``bf16(sum_k w[t, k] * float(y_k))``.
 
     ``y_k`` is the row of ``ys[d][l]`` where ``ll_dispatch`` put token ``t`` for expert
     ``topk_idx[t, k]``, found through the result's ``src_rank`` and ``src_token``: ``ys`` is laid out
@@ -155,7 +161,7 @@ def ll_combine(
             raise ValueError(f"ys[{dest}] must be bfloat16 {expected_shape}, got {describe(y)}")
 
     outputs = []
-    for source in range(num_ranks):
+    for source in range(num_ranks) if sources is None else sources:
         weights, num_tokens = topk_weights_list[source], topk_idxs[source].shape[0]
         _check_token_count(f"topk_idxs[{source}]", num_tokens, num_max_tokens)
         check_topk_idx(f"topk_idxs[{source}]", topk_idxs[source], num_tokens)

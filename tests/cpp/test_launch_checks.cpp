@@ -135,14 +135,47 @@ TEST(LowLatencyCheck, Fp8AcrossNodesNeedsScalesInWholeVectors) {
   args.num_topk = 2;
   args.use_fp8 = true;
   args.num_sms = 5;  // above the cap: a call that passes the scales check fails on the grid size
-  const std::string by_stores = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  const std::string by_stores = refusal([&] { launch_low_latency_dispatch(args, LowLatencyPhases::kSend, nullptr); });
   EXPECT_NE(by_stores.find("num_sms"), std::string::npos) << by_stores;
   args.view.ll_ranks_per_node = 1;  // rank 1 is on another node
-  const std::string across = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  const std::string across = refusal([&] { launch_low_latency_dispatch(args, LowLatencyPhases::kSend, nullptr); });
   EXPECT_NE(across.find("multiple of 512"), std::string::npos) << across;
   args.use_fp8 = false;  // bf16 rows need no scales
-  const std::string bf16 = refusal([&] { launch_low_latency_dispatch_send(args, nullptr); });
+  const std::string bf16 = refusal([&] { launch_low_latency_dispatch(args, LowLatencyPhases::kSend, nullptr); });
   EXPECT_NE(bf16.find("num_sms"), std::string::npos) << bf16;
+}
+
+// A launch runs the phases named by a LowLatencyPhases value, which Python passes as an int: each
+// launcher refuses a value outside the set before touching the GPU.
+TEST(LowLatencyCheck, LaunchersRefusePhasesOutsideTheSet) {
+  for (const LowLatencyPhases phases : {LowLatencyPhases::kSend, LowLatencyPhases::kReceive, LowLatencyPhases::kBoth}) {
+    EXPECT_NO_THROW(check_low_latency_phases(phases));
+  }
+  LowLatencyDispatchArgs dispatch;
+  dispatch.view = view_with_cap(4);
+  dispatch.layout = low_latency_layout(LowLatencyRequest{2, 4, 640, 4, 2});
+  dispatch.num_experts = 4;
+  dispatch.hidden = 640;
+  dispatch.num_tokens = 1;
+  dispatch.num_topk = 2;
+  dispatch.num_sms = 1;
+  LowLatencyCombineArgs combine;
+  combine.view = dispatch.view;
+  combine.layout = dispatch.layout;
+  combine.num_experts = 4;
+  combine.hidden = 640;
+  combine.num_tokens = 1;
+  combine.num_topk = 2;
+  combine.num_sms = 1;
+  for (const int value : {0, 4, -1}) {
+    const auto phases = static_cast<LowLatencyPhases>(value);
+    const std::string by_dispatch = refusal([&] { launch_low_latency_dispatch(dispatch, phases, nullptr); });
+    EXPECT_NE(by_dispatch.find("phases must be 1 (send), 2 (receive) or 3 (both), got " + std::to_string(value)),
+              std::string::npos)
+        << by_dispatch;
+    const std::string by_combine = refusal([&] { launch_low_latency_combine(combine, phases, nullptr); });
+    EXPECT_NE(by_combine.find("phases must be"), std::string::npos) << by_combine;
+  }
 }
 
 // The mode follows from the buffer's topology: a call described for another topology (a hybrid

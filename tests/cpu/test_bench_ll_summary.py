@@ -43,14 +43,14 @@ def test_rows_take_the_slowest_rank_and_split_kernels_by_operation():
     rows = {row["operation"]: row for row in summary["rows"]}
     assert rows["dispatch"]["time_us"]["graph"] == pytest.approx(40.0)  # median of the slower rank's runs
     assert rows["dispatch"]["kernels_us_max_over_ranks"] == {
-        "dispatch_fused_kernel": 10.0,
-        "dispatch_send_kernel": 10.0,
-        "dispatch_recv_kernel": 10.0,
+        "dispatch_fused": 10.0,
+        "dispatch_send": 10.0,
+        "dispatch_recv": 10.0,
     }
     assert set(rows["combine"]["kernels_us_max_over_ranks"]) == {
-        "combine_fused_kernel",
-        "combine_send_kernel",
-        "combine_recv_kernel",
+        "combine_fused",
+        "combine_send",
+        "combine_recv",
     }
 
 
@@ -58,10 +58,10 @@ def test_kernels_no_rank_profiled_are_left_out():
     config = {"tokens": [128], "experts": [256], "hidden": HIDDEN, "num_topk": 8}
     ranks = [_rank(0, 1.0), _rank(1, 2.0)]
     for result in ranks:
-        for name in ("dispatch_fused_kernel", "combine_fused_kernel"):
+        for name in ("dispatch_fused", "combine_fused"):
             del result["results"][0]["kernels_us"][name]
     rows = {row["operation"]: row for row in bench_ll.summarize(ranks, config)["rows"]}
-    assert set(rows["dispatch"]["kernels_us_max_over_ranks"]) == {"dispatch_send_kernel", "dispatch_recv_kernel"}
+    assert set(rows["dispatch"]["kernels_us_max_over_ranks"]) == {"dispatch_send", "dispatch_recv"}
 
 
 def _phases(start_ns: list[int], send_end: float) -> dict:

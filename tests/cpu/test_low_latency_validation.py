@@ -8,12 +8,15 @@ with AttributeError instead of the asserted error).
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from buffer_settings import buffer_settings
 
-from deep_ep.low_latency import LowLatencyHandle, LowLatencyMixin
+from deep_ep import _C
+from deep_ep.low_latency import KERNEL_NAMES, LowLatencyHandle, LowLatencyMixin
 
 CAP = 16
 HIDDEN = 256
@@ -287,3 +290,84 @@ def test_rank_masking_needs_a_low_latency_region():
     assert ElasticBuffer._check_settings(**settings)["enable_rank_masking"] is False
     settings["num_max_dispatch_tokens_per_rank"] = CAP
     assert ElasticBuffer._check_settings(**settings, enable_rank_masking=True)["enable_rank_masking"] is True
+
+
+# ------------------------------------------------------------- kernel functions and phases
+#
+# DeepEP's bench_kineto finds the LL kernels of a profile by the words "dispatch" and "combine" and
+# needs each to name exactly one kernel: one kernel function per operation, launched once without a
+# receive hook and twice with one. What is checkable without a GPU is checked here; the profiles
+# themselves are in tests/gpu/test_low_latency.py (_launches).
+
+OPERATION_WORDS = ("dispatch", "combine")
+
+
+def test_each_operation_kernel_name_carries_its_own_word_only() -> None:
+    assert len(KERNEL_NAMES) == len(OPERATION_WORDS)
+    for name, word in zip(KERNEL_NAMES, OPERATION_WORDS, strict=True):
+        assert [w for w in OPERATION_WORDS if w in name] == [word], name
+
+
+def _without_anonymous_namespaces(mangled: str) -> str:
+    """``mangled`` without nvcc's per-file anonymous namespace names (``_GLOBAL__N__<hash>_<n>_<file
+    name>_<hash>``, length-prefixed), which demanglers, and so profilers, print as ``(anonymous
+    namespace)``: the file name is never part of what a profiler shows."""
+    while (match := re.search(r"(\d+)(?=_GLOBAL__N_)", mangled)) is not None:
+        mangled = mangled[: match.start()] + mangled[match.end() + int(match.group(1)) :]
+    return mangled
+
+
+def _device_kernel_entries() -> list[str]:
+    """Mangled names of the kernels in the extension's device code (the cubins' per-kernel
+    ``.nv.info.<name>`` sections); empty when the device code is stored compressed."""
+    data = Path(_C.__file__).read_bytes()
+    return sorted({name.decode() for name in re.findall(rb"\.nv\.info\.(_Z[A-Za-z0-9_]+)", data)})
+
+
+def test_the_extension_has_one_kernel_function_per_low_latency_operation() -> None:
+    """Every kernel of the LL source files is one of KERNEL_NAMES (no separate send or receive
+    kernel), both are there, and each one's full name (template arguments and parameter types as a
+    profiler shows them) contains its own operation word and not the other's."""
+    entries = _device_kernel_entries()
+    if not entries:
+        pytest.skip("the extension's device code is compressed: no kernel names to read")
+    # nvcc names each file's anonymous namespace after the file: low_latency_dispatch.cu, ...combine.cu.
+    from_ll_files = [name for name in entries if "_low_latency_" in name]
+    low_latency = [name for name in entries if name in from_ll_files or any(k in name for k in KERNEL_NAMES)]
+    for name in low_latency:
+        functions = [kernel for kernel in KERNEL_NAMES if f"{len(kernel)}{kernel}" in name]
+        assert len(functions) == 1, f"{name}: a kernel of the LL source files that is not one of {KERNEL_NAMES}"
+        visible = _without_anonymous_namespaces(name)
+        words = [word for word in OPERATION_WORDS if word in visible]
+        assert words == [word for word in OPERATION_WORDS if word in functions[0]], (visible, words)
+    for kernel in KERNEL_NAMES:
+        assert any(kernel in name for name in low_latency), f"{kernel} is not in the extension"
+
+
+def test_without_hook_one_launch_runs_both_phases_and_with_one_the_hook_launches_the_receive_phase(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every mode goes through one launcher, which launches the operation's one kernel function with
+    the phases as an argument: both at once without a hook, send now and receive from the hook."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    buffer = FakeBuffer()
+    launched: list[tuple[int, str]] = []
+    received: list[bool] = []
+
+    def launch(phases: int, stream: str) -> None:
+        launched.append((phases, stream))
+
+    event, hook = buffer._ll_run("low_latency_dispatch", launch, lambda: received.append(True), False, False, ())
+    assert (event, hook) == (None, None)
+    assert launched == [(_C.LL_PHASE_BOTH, "stream")] and received == [True]
+
+    launched.clear()
+    received.clear()
+    event, hook = buffer._ll_run("low_latency_dispatch", launch, lambda: received.append(True), False, True, ())
+    assert event is None and hook is not None
+    assert launched == [(_C.LL_PHASE_SEND, "stream")] and received == [] and buffer._ll_num_pending == 1
+    hook()
+    assert launched == [(_C.LL_PHASE_SEND, "stream"), (_C.LL_PHASE_RECEIVE, "stream")] and received == [True]
+    assert buffer._ll_num_pending == 0
+    assert (_C.LL_PHASE_SEND | _C.LL_PHASE_RECEIVE) == _C.LL_PHASE_BOTH

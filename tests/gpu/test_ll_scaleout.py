@@ -9,9 +9,10 @@ or a staging row reused too early shows as wrong data).
 
 The scenarios are test_low_latency.py's, unchanged: every case bitwise against the reference model
 (fp8 / bf16, hooks, async, compact and per-source rows, zero-copy combine, UE8M0 scales), CUDA
-graphs with hooks (50 replays), a slow rank that must never have unread data overwritten, and LL
-interleaved with HT (hybrid mode on these buffers), and release counts run past 2^31 and 2^32 (as
-signals and published counts across nodes). Topologies: 8 ranks as 2x4 and 4x2, 4 ranks as
+graphs with hooks (50 replays), a slow rank that must never have unread data overwritten, LL
+interleaved with HT (hybrid mode on these buffers), release counts run past 2^31 and 2^32 (as
+signals and published counts across nodes), and the kernel launches of each mode (one kernel
+function per operation, the instantiation that reaches other nodes). Topologies: 8 ranks as 2x4 and 4x2, 4 ranks as
 2x2; each (topology, transport) is one launch.
 """
 
@@ -55,6 +56,7 @@ def _rank_main(rank: int, num_ranks: int, group: Any, ranks_per_node: int, trans
             if spec.with_high_throughput:
                 results["skew"] = ll._skew(buffer, rank, num_ranks, spec)
                 results["interleave"] = ll._interleave_with_high_throughput(buffer, rank, num_ranks, spec)
+                results["launches"] = ll._launches(buffer, rank, num_ranks, spec)
         finally:
             buffer.destroy()
         torch.cuda.empty_cache()
@@ -83,6 +85,6 @@ def test_low_latency_across_virtual_nodes_matches_the_reference_bitwise(
         dirty = result["dirty_workspace_bytes"]
         assert all(count == 0 for count in dirty.values()), (rank, dirty)
     failures = []
-    for key in ("reference", "graph_hook", "skew", "interleave", "near_overflow"):
+    for key in ("reference", "graph_hook", "skew", "interleave", "launches", "near_overflow"):
         failures += [f"{key}: {failure}" for failure in ll._all_failures(results, key)]
     assert not failures, "\n".join(failures)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +19,11 @@ from ll_calls import (
     Inputs,
     NoHostSync,
     bits,
+    launch_failures,
     ll_combine_call,
     ll_dispatch_call,
     ll_expert_output,
+    profile_launches,
     reference_case,
 )
 from rank_results import capture, guarded, launch_once
@@ -699,23 +700,22 @@ def _counts_near_overflow(group: Any, rank: int, num_ranks: int, **overrides: An
     return failures
 
 
-ONE_KERNEL_EACH = ["dispatch_fused_kernel", "combine_fused_kernel"]
-TWO_KERNELS_EACH = ["dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"]
-# A buffer whose largest dispatch (11,500 tokens x top-8: 230,000 bytes of routing and token list)
-# fits the send kernel's shared memory on an H200 (227 KiB per block, about 232,200 bytes beside the
-# kernel's own) but not the one-kernel dispatch's (about 228,200 beside the receive phase's 4 KiB).
-TOO_LARGE_FOR_ONE_KERNEL = BufferSpec("T11500_H128", 11_500, 128, 64, 8)
-
-
-# 11,700 tokens x top-8 need 234,000 bytes of routing and token list: more than the send kernel's
-# shared memory on an H200 (about 232,200 bytes).
+# 11,700 tokens x top-8 need 234,000 bytes of routing and token list: more than the dispatch
+# kernel's shared memory on an H200 (about 232,200 bytes).
 TOO_LARGE_FOR_SHARED_MEMORY = BufferSpec("T11700_H128", 11_700, 128, 64, 8)
+
+
+def _launches_per_operation(mode: str) -> int:
+    """Launches of each operation's kernel function: the send and the hook's receive phase with a
+    hook, one launch of both phases otherwise."""
+    return 2 if mode == "hook" else 1
 
 
 def _largest_dispatch(group: Any, rank: int, num_ranks: int) -> dict:
     """A buffer whose largest dispatch cannot fit is refused when built, naming the largest
     num_max_dispatch_tokens_per_rank that fits; a buffer of that size dispatches and combines a
-    full call bit for bit."""
+    full call bit for bit, with the same kernel launches as any other buffer (no hook: one per
+    operation, its receive phase in the shared memory of the largest send phase; hook: two)."""
     spec = TOO_LARGE_FOR_SHARED_MEMORY
     kind, message = capture(lambda: _make_buffer(group, spec, num_ranks).destroy())
     result: dict[str, Any] = {"refused": (kind, message), "failures": []}
@@ -729,40 +729,43 @@ def _largest_dispatch(group: Any, rank: int, num_ranks: int) -> dict:
         inputs, expected = _inputs_and_reference(
             rank, num_ranks, largest, largest.num_max_tokens, largest.topk(num_ranks), True, 310, uneven=False
         )
-        observed = _round_trip(buffer, largest, inputs, True, "direct")
-        result["failures"] = _compare(f"{largest.name} full call", observed, expected, True)
+        for mode in ("direct", "hook"):
+            label = f"{largest.name} full call {mode}"
+            launches, observed = profile_launches(functools.partial(_round_trip, buffer, largest, inputs, True, mode))
+            result["failures"] += launch_failures(label, launches, _launches_per_operation(mode))
+            result["failures"] += _compare(label, observed, expected, True)
+        dirty = buffer._debug_count_dirty_workspace_bytes()
+        if dirty != 0:
+            result["failures"].append(f"{largest.name}: {dirty} dirty workspace bytes")
     finally:
         buffer.destroy()
     torch.cuda.empty_cache()
     return result
 
 
-def _launched_kernels(run: Callable[[], Any]) -> tuple[list[str], Any]:
-    """The LL kernels ``run()`` launched, in launch order, and what it returned."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = run()
-        torch.cuda.synchronize()
-    events = sorted(
-        (event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda event: event.time_range.start,
-    )
-    return [name for event in events for name in KERNEL_NAMES if name in event.name], result
-
-
-def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec, expected_direct: list[str]) -> list[str]:
-    """Direct and async dispatch + combine launch ``expected_direct``, hook mode the four phase
-    kernels; every round trip matches the reference."""
+def _launches(buffer: Any, rank: int, num_ranks: int, spec: BufferSpec) -> list[str]:
+    """Every mode launches one kernel function per operation (KERNEL_NAMES): once without a hook
+    (direct, async), twice with one (send phase, then the hook's receive phase), the same
+    instantiation in every mode of a message type; each operation's kernel is the only row of the
+    profiler's table with its word ("dispatch", "combine"), as DeepEP's bench_kineto requires.
+    Every round trip matches the reference."""
     failures = []
     num_topk = spec.topk(num_ranks)
-    for mode, wanted in (("direct", expected_direct), ("async", expected_direct), ("hook", TWO_KERNELS_EACH)):
-        inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, True, 300)
-        launched, observed = _launched_kernels(functools.partial(_round_trip, buffer, spec, inputs, True, mode))
-        if launched != wanted:
-            failures.append(f"{spec.name} {mode}: launched {launched}, expected {wanted}")
-        failures += _compare(f"{spec.name} {mode} (launch count)", observed, expected, True)
+    for use_fp8 in (True, False):
+        names: set[str] = set()
+        for mode in ("direct", "async", "hook"):
+            label = f"{spec.name} {'fp8' if use_fp8 else 'bf16'} {mode}"
+            inputs, expected = _inputs_and_reference(rank, num_ranks, spec, 17, num_topk, use_fp8, 300)
+            run = functools.partial(_round_trip, buffer, spec, inputs, use_fp8, mode)
+            launches, observed = profile_launches(run)
+            failures += launch_failures(label, launches, _launches_per_operation(mode))
+            failures += _compare(f"{label} (launch count)", observed, expected, use_fp8)
+            names.update(launches.names)
+        if len(names) != len(KERNEL_NAMES):
+            failures.append(
+                f"{spec.name} {'fp8' if use_fp8 else 'bf16'}: the modes launched {sorted(names)}, "
+                "expected one kernel instantiation per operation for all of them"
+            )
     return failures
 
 
@@ -785,21 +788,12 @@ def _rank_main(rank: int, num_ranks: int, group: Any) -> dict:
                 results["stats"] = _stats(buffer, rank, num_ranks, spec)
                 results["skew"] = _skew(buffer, rank, num_ranks, spec)
                 results["interleave"] = _interleave_with_high_throughput(buffer, rank, num_ranks, spec)
-                results["launches"] = _launches(buffer, rank, num_ranks, spec, ONE_KERNEL_EACH)
+                results["launches"] = _launches(buffer, rank, num_ranks, spec)
         finally:
             buffer.destroy()
         torch.cuda.empty_cache()
     results["near_overflow"] = _counts_near_overflow(group, rank, num_ranks)
     results["largest_dispatch"] = _largest_dispatch(group, rank, num_ranks)
-    buffer = _make_buffer(group, TOO_LARGE_FOR_ONE_KERNEL, num_ranks)
-    try:
-        # The combine has no shared memory to outgrow: it stays one kernel.
-        two_kernel_dispatch = [*TWO_KERNELS_EACH[:2], "combine_fused_kernel"]
-        results["fallback"] = _launches(buffer, rank, num_ranks, TOO_LARGE_FOR_ONE_KERNEL, two_kernel_dispatch)
-        results["dirty_workspace_bytes"]["fallback"] = buffer._debug_count_dirty_workspace_bytes()
-    finally:
-        buffer.destroy()
-    torch.cuda.empty_cache()
     return results
 
 
@@ -838,17 +832,12 @@ def test_workspace_scratch_is_zero_after_low_latency_operations(ll_results: list
         assert all(count == 0 for count in dirty.values()), (rank, dirty)
 
 
-def test_an_operation_without_hook_is_one_kernel_launch(ll_results: list[dict]) -> None:
-    """Direct and async: one kernel per dispatch and per combine; hook mode: send and receive
-    kernels. Results match the reference either way."""
+def test_each_operation_is_one_kernel_function_in_every_mode(ll_results: list[dict]) -> None:
+    """Direct and async: one launch per dispatch and per combine; hook mode: two launches of the same
+    kernel function (send, then receive). In every mode the profiler's table has exactly one row
+    containing "dispatch" and one containing "combine" (DeepEP's bench_kineto). Results match the
+    reference."""
     failures = _all_failures(ll_results, "launches")
-    assert not failures, "\n".join(failures)
-
-
-def test_a_buffer_too_large_for_one_kernel_runs_two_kernels_with_the_same_results(ll_results: list[dict]) -> None:
-    """When the buffer's largest dispatch does not fit the one-kernel dispatch's shared memory, a
-    dispatch without hook runs the send and receive kernels, and the results still match."""
-    failures = _all_failures(ll_results, "fallback")
     assert not failures, "\n".join(failures)
 
 
@@ -935,7 +924,8 @@ def test_recv_and_wait_cost_stats_accumulate(ll_results: list[dict]) -> None:
 def test_a_dispatch_too_large_for_shared_memory_is_refused_when_the_buffer_is_built(
     ll_results: list[dict],
 ) -> None:
-    """Refused at construction with the largest size that fits; that size runs a full call exactly."""
+    """Refused at construction with the largest size that fits; that size runs a full call exactly,
+    with and without a hook, one kernel function per operation."""
     spec = TOO_LARGE_FOR_SHARED_MEMORY
     for rank, result in enumerate(ll_results):
         kind, message = result["largest_dispatch"]["refused"]
