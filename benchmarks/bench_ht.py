@@ -58,7 +58,15 @@ HIDDEN = 7168
 TOPK = 8
 EXPERTS = 256
 FP8_GROUP = 128
-KERNELS = ("notify_kernel", "dispatch_kernel", "epilogue_kernel", "combine_kernel", "reduce_kernel")
+# Substrings of the kernels' names (DeepEP V2's, for the timed kernels): "dispatch_impl" covers the
+# direct and the hybrid kernel, "combine_impl" the push and the zero-copy (pull) combine.
+KERNELS = (
+    "notify_kernel",
+    "dispatch_impl",
+    "dispatch_copy_epilogue_impl",
+    "combine_impl",
+    "combine_reduce_epilogue_impl",
+)
 OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "dispatch_bf16_cached", "combine_bf16")
 BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
 # --speculative-epilogue: the uncached dispatches again with EP_HT_SPECULATIVE_EPILOGUE's behaviour

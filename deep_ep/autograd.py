@@ -57,9 +57,10 @@ def valid_row_mask(
 ) -> torch.Tensor:
     """bool ``[num_rows]`` on the handle's device: the rows of a dispatch output that hold data.
 
-    Non-expand: the first ``N`` rows (``N = psum_num_recv_tokens_per_scaleup_rank[-1]``). Expand: the
-    rows of each local expert, ``[psum[l] - unaligned[l], psum[l])``; alignment padding and the rows
-    past the last expert are not valid. Device-side only (no host sync, traceable by torch.compile).
+    Non-expand: the first ``N`` rows (``N = psum_per_source[-1]``, from the handle's
+    ``psum_num_recv_tokens_per_source``). Expand: the rows of each local expert,
+    ``[psum[l] - unaligned[l], psum[l])``; alignment padding and the rows past the last expert are
+    not valid. Device-side only (no host sync, traceable by torch.compile).
     """
     if not do_expand:
         rows = torch.arange(num_rows, device=psum_per_source.device)
@@ -82,7 +83,7 @@ def handle_valid_row_mask(handle: EPHandle) -> torch.Tensor:
     """``valid_row_mask`` of the dispatch outputs an ``EPHandle`` describes."""
     num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
     return valid_row_mask(
-        handle.psum_num_recv_tokens_per_scaleup_rank,
+        handle.psum_num_recv_tokens_per_source,
         handle.psum_num_recv_tokens_per_expert,
         handle.num_unaligned_recv_tokens_per_expert,
         num_rows,
@@ -215,11 +216,12 @@ def dispatch(
 
     Backward (collective, every rank together): ``grad_x, grad_topk_weights =
     buffer.combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights)``: each token's copies'
-    gradients summed in fp32 in ascending rank order (expand: per rank in local-expert order first),
-    rounded to bf16 once. ``grad_topk_weights[t, k]`` is the gradient the rank owning expert
-    ``topk_idx[t, k]`` computed for slot ``k`` (non-expand: the gradient of a slot at a rank that
-    does not own its expert is dropped, so use only the local slots of ``recv_topk_weights``, as
-    an MoE layer does; 0 for ``topk_idx == -1``).
+    gradients summed in fp32 in combine's order (one term per rank, in ascending order of the rank's
+    last top-k lane of the token; expand: per rank in top-k lane order first), rounded to bf16
+    once. ``grad_topk_weights[t, k]`` is the gradient the rank owning expert ``topk_idx[t, k]``
+    computed for slot ``k`` (non-expand: the gradient of a slot at a rank that does not own its
+    expert is dropped, so use only the local slots of ``recv_topk_weights``, as an MoE layer does;
+    0 for ``topk_idx == -1``).
     """
     kwargs = dict(dispatch_kwargs)
     if num_experts is not None:

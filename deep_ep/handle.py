@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def psum_per_scaleup_peer(num_recv_tokens_per_source: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """int32 ``[S]``: inclusive prefix sum over scale-up peers ``u`` of the tokens received from
+    source ranks ``n * S + u`` (``S = R / num_nodes``), from the per-source counts ``[R]``."""
+    per_peer = num_recv_tokens_per_source.view(num_nodes, -1).sum(dim=0, dtype=torch.int32)
+    return per_peer.cumsum(0, dtype=torch.int32)
+
+
 @dataclass(eq=False)
 class EPHandle:
     """Routing metadata of one HT dispatch (DeepEP's field names where DeepEP has the field).
@@ -19,14 +26,21 @@ class EPHandle:
         do_expand: the dispatch produced one row per (token, local expert).
         num_experts, expert_alignment, num_max_tokens_per_rank: the dispatch settings.
         num_sms: SMs the dispatch used; combine's default.
-        topk_idx: int64 [T, K], this rank's routing (a copy taken by dispatch).
+        topk_idx: int64 [T, K], this rank's routing: the sanitised copy dispatch took (an id outside
+            [-1, E) or repeated in its row is -1 there), or, after ``do_handle_copy=False``, the
+            caller's tensor itself (as in DeepEP V2; nothing here reads it).
         num_recv_tokens: N, exact after a CPU sync, else the worst case ``R * T_max`` (rows allocated).
         num_expanded_tokens: N' (rows of the expand output): the sum of the aligned per-expert
             counts after a CPU sync, else the worst case.
         num_recv_tokens_per_expert_list: aligned per-local-expert counts (Python list), empty
             without a CPU sync.
-        psum_num_recv_tokens_per_scaleup_rank: [R], inclusive prefix sum of the tokens received from
-            each source rank; the last entry is the real N.
+        psum_num_recv_tokens_per_scaleup_rank: [S] (``S`` ranks per node, R in direct mode),
+            DeepEP V2's inclusive prefix sum over this rank's scale-up peers of the tokens received
+            through each: entry ``u`` adds the tokens received from the source ranks of local index
+            ``u`` on every node (``n * S + u``; each token counted once per receiving rank), the
+            rows V2 forwards through peer ``u``. Direct mode: per source rank. The last entry is
+            the real N. In hybrid mode derived on the device from ``num_recv_tokens_per_scaleup_rank``
+            at each access (a view in direct mode).
         psum_num_recv_tokens_per_expert: [L]; non-expand: inclusive prefix sum of the aligned
             per-expert counts; expand: first row of expert l plus its count, so expert l's rows are
             ``[psum[l] - unaligned[l], psum[l])``.
@@ -41,10 +55,15 @@ class EPHandle:
             destination rank, -1 elsewhere (its row there is ``[this rank][slot]``).
 
     Internal:
+        sanitized_topk_idx: int64 [T, K], the sanitised copy of the routing when ``topk_idx`` is
+            the caller's tensor (``do_handle_copy=False``); None when ``topk_idx`` is that copy.
+        routing (property): the sanitised copy, what combine and cached dispatch read.
         num_ranks, num_tokens, num_topk: group size, T and K of the dispatch.
         is_exact: sizes come from a CPU sync (False: worst case).
         expert_slot_idx: [T, K], ordinal of token t among this rank's tokens of expert k.
         num_recv_tokens_per_scaleup_rank: [R], tokens received from each source rank.
+        psum_num_recv_tokens_per_source: [R], inclusive prefix sum of the above (last = N), in the
+            order of the received rows (source rank ascending): V1's ``recv_rank_prefix_sum``.
         expert_offsets_per_source: [R, L], rows of local expert l coming from sources before s.
         expert_start: [L], first expanded row of each local expert (exclusive psum of aligned counts).
         recv_src_info: [N, 4] per received row (what combine reads): source rank, source token
@@ -65,6 +84,10 @@ class EPHandle:
         zero_copy_send_base: [R] int32, made by a dispatch with ``zero_copy_recv=True``: this rank's
             first row among each rank's final received rows (its rows go there in final position);
             None otherwise. A cached zero-copy dispatch needs it.
+        rank_prefix_matrix: [R, R] int32, direct mode (None in hybrid mode and for a handle rebuilt
+            from a TensorHandle): DeepEP V1's ``rank_prefix_matrix``, entry ``[s, d]`` the tokens
+            ranks ``0..s`` sent to rank ``d`` in this dispatch (exchanged by its notify kernel);
+            column ``rank`` equals ``psum_num_recv_tokens_per_source``. Read by no operation.
     """
 
     do_expand: bool
@@ -76,7 +99,7 @@ class EPHandle:
     num_recv_tokens: int
     num_expanded_tokens: int
     num_recv_tokens_per_expert_list: list[int]
-    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_source: torch.Tensor
     psum_num_recv_tokens_per_expert: torch.Tensor
     num_unaligned_recv_tokens_per_expert: torch.Tensor
     recv_src_info: torch.Tensor
@@ -97,12 +120,37 @@ class EPHandle:
     home_node: int = 0
     scaleout_row_bytes: int = 0
     zero_copy_send_base: torch.Tensor | None = None
+    rank_prefix_matrix: torch.Tensor | None = None
+    sanitized_topk_idx: torch.Tensor | None = None
     # (recv_src_info it was built from, V2 recv_src_metadata): rebuilt when the info is replaced.
     _v2_src_metadata: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+    @property
+    def routing(self) -> torch.Tensor:
+        """int64 ``[T, K]``: the sanitised routing the kernels read (``topk_idx`` unless dispatch
+        left the caller's tensor there)."""
+        return self.topk_idx if self.sanitized_topk_idx is None else self.sanitized_topk_idx
+
+    def keep_caller_topk_idx(self, topk_idx: torch.Tensor) -> None:
+        """``do_handle_copy=False``: ``topk_idx`` becomes the caller's tensor (same storage, as in
+        DeepEP V2); the sanitised copy stays in ``sanitized_topk_idx`` for the kernels."""
+        if self.sanitized_topk_idx is None:
+            self.sanitized_topk_idx = self.topk_idx
+        self.topk_idx = topk_idx
+
+    @property
+    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
+        """DeepEP V2's int32 ``[S]`` inclusive prefix sum of the tokens received through each
+        scale-up peer (see the class docstring). Direct mode: ``psum_num_recv_tokens_per_source``
+        itself. Hybrid mode: a new tensor built from the per-source counts on the current stream at
+        each access (so it follows the counts of the latest replay of a captured dispatch too)."""
+        if self.num_nodes <= 1:
+            return self.psum_num_recv_tokens_per_source
+        return psum_per_scaleup_peer(self.num_recv_tokens_per_scaleup_rank, self.num_nodes)
 
     @property
     def recv_src_metadata(self) -> torch.Tensor:
@@ -190,11 +238,13 @@ class EPHandle:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every device tensor the handle owns (kept alive by events of operations that use them)."""
-        owned = (self.topk_idx, self.recv_src_info, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
+        owned = (self.routing, self.recv_src_info, self.dst_buffer_slot_idx, self.expert_slot_idx, self.counts)
         if self.recv_expanded_row_idx is not None:
             owned += (self.recv_expanded_row_idx,)
         if self.hybrid_routing is not None:
             owned += (self.hybrid_routing,)
         if self.zero_copy_send_base is not None:
             owned += (self.zero_copy_send_base,)
+        if self.rank_prefix_matrix is not None:
+            owned += (self.rank_prefix_matrix,)
         return owned

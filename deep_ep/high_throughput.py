@@ -352,9 +352,11 @@ class HighThroughputMixin:
         only) gets this call's unaligned per-local-expert counts added on the comm stream;
         ``previous_event_before_epilogue``: the copy epilogue also waits for it;
         ``use_tma_aligned_col_major_sf`` (fp8): scales returned column-major, token dimension padded
-        to a multiple of 4 (strides ``(1, align(N, 4))``). ``num_qps`` (no RDMA queue pairs here),
-        ``do_handle_copy`` (the handle always keeps its own sanitised copy of the routing) and
-        ``do_zero_padding`` (padding rows are always zeroed) are accepted and change nothing.
+        to a multiple of 4 (strides ``(1, align(N, 4))``). ``do_handle_copy=False`` (uncached): the
+        handle's ``topk_idx`` is the caller's tensor itself, as in V2 (the kernels still read the
+        handle's own sanitised copy, so changing that tensor later changes no result); with True
+        (default) it is that copy. ``num_qps`` (no RDMA queue pairs here) and ``do_zero_padding``
+        (padding rows are always zeroed) are accepted and change nothing.
 
         ``zero_copy_recv`` (direct mode, non-expand; every rank must pass the same value): senders
         write each row and its fp8 scales straight into their final position in the receiver's
@@ -406,6 +408,7 @@ class HighThroughputMixin:
                 handle,
                 do_cpu_sync,
                 do_expand,
+                do_handle_copy,
             )
             if result is not None:
                 return result
@@ -434,7 +437,7 @@ class HighThroughputMixin:
                 expert_alignment = handle.expert_alignment
                 do_expand = handle.do_expand
                 do_cpu_sync = False
-                routing = handle.topk_idx
+                routing = handle.routing
             else:
                 num_experts = self._check_num_experts(num_experts)
                 self._check_topk_idx(topk_idx, num_tokens, device)
@@ -497,6 +500,8 @@ class HighThroughputMixin:
             new_handle = handle
         else:
             new_handle = self._notify(launch, call, routing, expert_alignment, do_expand, do_cpu_sync, num_sms, device)
+            if not do_handle_copy:
+                new_handle.keep_caller_topk_idx(topk_idx)
         send_base = _pointer(new_handle.zero_copy_send_base) if zero_copy_recv else 0
         _C.ht_dispatch(
             self._runtime,
@@ -504,7 +509,7 @@ class HighThroughputMixin:
             num_tokens,
             _pointer(data),
             _pointer(scales),
-            _pointer(new_handle.topk_idx),
+            _pointer(new_handle.routing),
             _pointer(topk_weights),
             _pointer(new_handle.dst_buffer_slot_idx),
             _pointer(new_handle.expert_slot_idx),
@@ -644,6 +649,7 @@ class HighThroughputMixin:
         handle: Any,
         do_cpu_sync: Any,
         do_expand: Any,
+        do_handle_copy: Any = True,
     ) -> tuple[Any, ...] | None:
         """dispatch through the C++ host path, or None: the Python path takes the call. Cached: one
         call. Uncached: the checks and launches up to the host's wait there, the handle built here
@@ -704,6 +710,8 @@ class HighThroughputMixin:
         call, num_sms, block = begun
         num_topk = topk_idx.shape[1]
         handle = self._handle_from_notify_block(call, block, expert_alignment, do_expand, do_cpu_sync, num_sms)
+        if not do_handle_copy:
+            handle.keep_caller_topk_idx(topk_idx)
         if not do_cpu_sync:
             handle.num_recv_tokens, handle.num_expanded_tokens = worst_case_rows(
                 self.num_ranks, num_max_tokens_per_rank, num_topk, num_experts, expert_alignment
@@ -769,7 +777,7 @@ class HighThroughputMixin:
         block = _C.ht_notify_block(
             launch.empty((_C.ht_notify_block_ints(call, num_tokens),), torch.int32, device), call, num_tokens
         )
-        routing, expert_slot, dst_slot, counts, *_, hybrid_routing, send_base, scratch = block
+        routing, expert_slot, dst_slot, counts, *_, hybrid_routing, send_base, rank_prefix_matrix, scratch = block
         if do_cpu_sync:
             self._runtime.reset_mapped_counter(_C.HT_MAPPED_READY)
         _C.ht_notify(
@@ -786,6 +794,7 @@ class HighThroughputMixin:
             _pointer(counts),
             do_cpu_sync,
             _pointer(send_base),
+            _pointer(rank_prefix_matrix),
             _pointer(hybrid_routing),
             num_sms,
             launch.stream,
@@ -810,6 +819,7 @@ class HighThroughputMixin:
             psum_per_expert,
             hybrid_routing,
             send_base,
+            rank_prefix_matrix,
             _,
         ) = block
         num_tokens, num_topk = routing.shape
@@ -823,7 +833,7 @@ class HighThroughputMixin:
             num_recv_tokens=0,
             num_expanded_tokens=0,
             num_recv_tokens_per_expert_list=[],
-            psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
+            psum_num_recv_tokens_per_source=psum_per_source,
             psum_num_recv_tokens_per_expert=psum_per_expert,
             num_unaligned_recv_tokens_per_expert=unaligned,
             recv_src_info=_NOT_ALLOCATED,  # allocated once the sizes are known
@@ -844,6 +854,7 @@ class HighThroughputMixin:
             scaleout_row_bytes=call.scaleout_row_bytes,
             home_node=self.scaleout_rank_idx if call.hybrid else 0,
             zero_copy_send_base=send_base,
+            rank_prefix_matrix=rank_prefix_matrix,
         )
 
     # ------------------------------------------------------------------ combine
@@ -862,10 +873,13 @@ class HighThroughputMixin:
         num_qps: int = 0,
         previous_event_before_epilogue: EventOverlap | None = None,
         zero_copy: bool = False,
+        sum_topk_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Sum, for each token this rank dispatched, the rows it produced (plus ``bias``: a tensor or
-        up to two), in fp32 in a fixed order (biases, then destination ranks ascending; expand rows
-        pre-summed per rank in local-expert order), rounded to bf16 once: bitwise reproducible.
+        up to two), in fp32 in a fixed order, rounded to bf16 once: bitwise reproducible. The order
+        is DeepEP V2's: the biases, then one term per destination rank in ascending order of the
+        rank's last top-k lane of the token (expand rows pre-summed per rank in top-k lane order and
+        rounded to bf16); see docs/api.md.
 
         ``x``: bf16 ``[N, H]`` (``[N', H]`` after an expand dispatch). ``topk_weights``: fp32
         ``[N, K]`` (expand ``[N']``); ``combined_topk_weights[t, k]`` is the weight of slot k sent by
@@ -879,6 +893,12 @@ class HighThroughputMixin:
         already holding the expert outputs, and each home rank reads its tokens' rows from the
         peers' windows (one pass instead of three; bitwise the same result). Every rank must pass the
         same value.
+
+        ``sum_topk_weights=True`` (DeepEP V1's rule, what ``deep_ep.Buffer.combine`` returns):
+        ``combined_topk_weights[t, k]`` is instead the fp32 sum, from +0.0 over the ranks that
+        received token t in ascending order, of slot k of the row each passed in ``topk_weights``
+        (all K slots, whatever experts they name; hybrid mode: per node first, then over nodes, as
+        V1's internode combine). Every rank must pass the same value.
         Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] or None, event)``.
         """
         self._ensure_usable()
@@ -897,16 +917,25 @@ class HighThroughputMixin:
             and num_qps == 0
             and previous_event_before_epilogue is None
             and type(num_sms) is int
+            and type(sum_topk_weights) is bool
         ):
             # The C++ host path, as in dispatch.
             outputs = self._ht_host_path.combine(
-                self._runtime, x, topk_weights, handle, num_sms, torch._C._cuda_getCurrentRawStream(self.device)
+                self._runtime,
+                x,
+                topk_weights,
+                handle,
+                num_sms,
+                sum_topk_weights,
+                torch._C._cuda_getCurrentRawStream(self.device),
             )
             if outputs is not None:
                 return outputs[0], outputs[1], EventOverlap(None)
         try:
             if not isinstance(zero_copy, bool):
                 raise TypeError(f"zero_copy must be a bool, got {type(zero_copy).__name__}")
+            if not isinstance(sum_topk_weights, bool):
+                raise TypeError(f"sum_topk_weights must be a bool, got {type(sum_topk_weights).__name__}")
             if not isinstance(handle, EPHandle):
                 raise TypeError(f"handle must be the EPHandle returned by dispatch, got {type(handle).__name__}")
             self._check_handle_owner(handle)
@@ -959,6 +988,7 @@ class HighThroughputMixin:
                 async_with_compute_stream,
                 allocate_on_comm_stream,
                 previous_event_before_epilogue,
+                sum_topk_weights,
             )
 
         launch = _CommLaunch(self._runtime, self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
@@ -973,12 +1003,13 @@ class HighThroughputMixin:
             handle.do_expand,
             _pointer(x),
             _pointer(topk_weights),
+            sum_topk_weights,
             _pointer(handle.counts),
             _pointer(handle.recv_src_info),
             _pointer(handle.recv_expanded_row_idx),
             handle.recv_src_info.shape[0],
             handle.num_tokens,
-            _pointer(handle.topk_idx),
+            _pointer(handle.routing),
             _pointer(handle.hybrid_routing),
             num_sms,
             launch.stream,
@@ -990,11 +1021,12 @@ class HighThroughputMixin:
             self._runtime,
             call,
             handle.num_tokens,
-            _pointer(handle.topk_idx),
+            _pointer(handle.routing),
             _pointer(biases[0]),
             _pointer(biases[1]),
             _pointer(combined_x),
             _pointer(combined_weights),
+            sum_topk_weights,
             self._max_num_sms,
             launch.stream,
         )
@@ -1085,6 +1117,7 @@ class HighThroughputMixin:
         async_with_compute_stream: bool,
         allocate_on_comm_stream: bool,
         previous_event_before_epilogue: EventOverlap | None,
+        sum_topk_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Zero-copy combine after the checks: the weights go next to the rows, then one kernel."""
         device = self._torch_device
@@ -1102,13 +1135,14 @@ class HighThroughputMixin:
             self._runtime,
             call,
             handle.num_tokens,
-            _pointer(handle.topk_idx),
+            _pointer(handle.routing),
             _pointer(handle.dst_buffer_slot_idx),
             _pointer(handle.zero_copy_send_base),
             _pointer(biases[0]),
             _pointer(biases[1]),
             _pointer(combined_x),
             _pointer(combined_weights),
+            sum_topk_weights,
             num_sms,
             launch.stream,
             False,
@@ -1146,7 +1180,7 @@ class HighThroughputMixin:
                 )
                 keep(*handle.tensors())
                 routing = (
-                    _pointer(handle.topk_idx),
+                    _pointer(handle.routing),
                     _pointer(handle.dst_buffer_slot_idx),
                     _pointer(handle.expert_slot_idx),
                     _pointer(handle.hybrid_routing),
@@ -1199,6 +1233,7 @@ class HighThroughputMixin:
                     scratch.data_ptr(),
                     False,
                     scratch.data_ptr() + 4 * counts_ints if zero_copy else 0,
+                    0,  # no rank prefix matrix (this rank's send counts still go to its window)
                     _pointer(hybrid) if call.hybrid else 0,
                     1,
                     stream,
@@ -1259,12 +1294,13 @@ class HighThroughputMixin:
                 handle.do_expand if zero_rows else False,
                 0,
                 0,
+                False,
                 _pointer(handle.counts) if zero_rows else 0,
                 _pointer(handle.recv_src_info) if zero_rows else 0,
                 0,
                 handle.recv_src_info.shape[0] if zero_rows else 0,
                 handle.num_tokens if zero_rows else 0,
-                _pointer(handle.topk_idx) if zero_rows else 0,
+                _pointer(handle.routing) if zero_rows else 0,
                 _pointer(hybrid),
                 1,
                 stream,

@@ -147,7 +147,7 @@ def _pack(handle: EPHandle) -> torch.Tensor:
     """One int32 copy of the handle's small arrays, in the core's layout (routing, expert slot, dst
     slot, counts, hybrid routing). A copy: custom op outputs may not alias each other."""
     parts = [
-        handle.topk_idx.contiguous().view(torch.int32).reshape(-1),
+        handle.routing.contiguous().view(torch.int32).reshape(-1),
         handle.expert_slot_idx.reshape(-1),
         handle.dst_buffer_slot_idx.reshape(-1),
         handle.counts.reshape(-1),
@@ -206,7 +206,7 @@ def _unpack(
         num_recv_tokens=num_rows,
         num_expanded_tokens=num_expanded,
         num_recv_tokens_per_expert_list=[],
-        psum_num_recv_tokens_per_scaleup_rank=psum_per_source,
+        psum_num_recv_tokens_per_source=psum_per_source,
         psum_num_recv_tokens_per_expert=psum_per_expert,
         num_unaligned_recv_tokens_per_expert=unaligned,
         recv_src_info=kernel_input(recv_src_info, torch.int32),
@@ -240,7 +240,7 @@ def _dispatch_outputs(outputs: tuple, num_topk: int, device: torch.device) -> tu
     recv_x, recv_topk_idx, recv_topk_weights, handle, _ = outputs
     num_rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
     valid = valid_row_mask(
-        handle.psum_num_recv_tokens_per_scaleup_rank,
+        handle.psum_num_recv_tokens_per_source,
         handle.psum_num_recv_tokens_per_expert,
         handle.num_unaligned_recv_tokens_per_expert,
         num_rows,

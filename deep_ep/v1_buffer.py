@@ -38,10 +38,11 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
   the group when it syncs with the CPU).
 * **Handles.** :class:`DispatchHandle` wraps the core's ``EPHandle``; it is accepted back by
   ``dispatch(handle=)`` and ``combine`` and indexable like V1's tuple where we can give V1's value
-  exactly (see its docstring). V1's ``rank_prefix_matrix`` (``handle[0]``) is known after a
-  dispatch without ``topk_idx`` (its count exchange gathers every rank's send counts); after one
-  with ``topk_idx`` each rank learns only what it receives, so ``handle[0]`` raises ``IndexError``
-  saying so, and :meth:`Buffer.gather_rank_prefix_matrix` computes it with one explicit collective.
+  exactly (see its docstring). V1's ``rank_prefix_matrix`` (``handle[0]``) comes from the core's
+  notify kernel on one node (each rank reads every peer's send counts during the count exchange,
+  no extra collective); in hybrid mode it is an attribute after a CPU-synced dispatch without
+  ``topk_idx``, and :meth:`Buffer.gather_rank_prefix_matrix` computes it with one explicit
+  collective otherwise.
 * **Streams.** As V1: kernels on the communication stream; ``async_finish`` returns an event
   (``async_with_compute_stream`` in the core), otherwise the caller's stream waits. With
   ``previous_event`` the comm stream waits for that event only, so new tensors are allocated on the
@@ -301,7 +302,7 @@ def v1_dispatch_outputs(
         recv_topk_idx = fit_rows(recv_topk_idx, rows, -1, empty)
         recv_topk_weights = fit_rows(recv_topk_weights, rows, 0.0, empty)
         if recv_topk_idx is not None:
-            mask_rows_past(recv_topk_idx, core_handle.psum_num_recv_tokens_per_scaleup_rank[-1:])
+            mask_rows_past(recv_topk_idx, core_handle.psum_num_recv_tokens_per_source[-1:])
         core_handle = dataclasses.replace(
             core_handle,
             num_recv_tokens=rows,
@@ -406,12 +407,13 @@ class DispatchHandle:
 
     Indexable like V1's tuple where we can give V1's value exactly; other positions raise IndexError
     naming what is missing (iteration and unpacking raise TypeError: V1's tuple cannot be rebuilt).
-    One node (V1's intranode tuple, ``len == 6``): ``[3]`` ``recv_src_idx`` int32 [N] (source token
-    of each received row) and ``[4]`` ``is_token_in_rank`` bool [T, R]; ``[0]``
-    (``rank_prefix_matrix`` int32 [R, R]) after a CPU-synced dispatch without ``topk_idx``, else it
-    raises, see :attr:`recv_rank_prefix_sum` and :meth:`Buffer.gather_rank_prefix_matrix`. Several
-    nodes (hybrid mode; V1's internode tuple, ``len == 10``): ``[0]`` ``is_token_in_rank`` and
-    ``[6]`` ``recv_gbl_rank_prefix_sum`` int32 [R]; ``rank_prefix_matrix`` as an attribute.
+    One node (V1's intranode tuple, ``len == 6``): ``[0]`` ``rank_prefix_matrix`` int32 [R, R]
+    (``[i, j]``: tokens ranks ``0..i`` sent to rank ``j``; rows ``[M[i - 1, rank], M[i, rank])`` of
+    the outputs came from rank ``i``), ``[3]`` ``recv_src_idx`` int32 [N] (source token of each
+    received row) and ``[4]`` ``is_token_in_rank`` bool [T, R]. Several nodes (hybrid mode; V1's
+    internode tuple, ``len == 10``): ``[0]`` ``is_token_in_rank`` and ``[6]``
+    ``recv_gbl_rank_prefix_sum`` int32 [R]; ``rank_prefix_matrix`` as an attribute (None unless a
+    CPU-synced dispatch without ``topk_idx`` gathered it, see :meth:`Buffer.gather_rank_prefix_matrix`).
     The tensors are valid once the dispatch's event completed, like every output.
 
     ``num_recv_tokens`` is the row count of the dispatch's outputs (``num_worst_tokens`` when given).
@@ -432,7 +434,15 @@ class DispatchHandle:
         self.num_worst_tokens = num_worst_tokens
         self.rank = rank
         self._is_token_in_rank = is_token_in_rank
-        self.rank_prefix_matrix = rank_prefix_matrix
+        self._rank_prefix_matrix = rank_prefix_matrix
+
+    @property
+    def rank_prefix_matrix(self) -> torch.Tensor | None:
+        """V1's int32 [R, R] rank prefix matrix: the one the dispatch's layout exchange gathered, else
+        the core's (filled by the notify kernel on one node), else None (hybrid mode)."""
+        if self._rank_prefix_matrix is not None:
+            return self._rank_prefix_matrix
+        return self.core.rank_prefix_matrix
 
     @property
     def num_ranks(self) -> int:
@@ -448,12 +458,12 @@ class DispatchHandle:
         """int32 [R]: inclusive prefix sum over source ranks of the tokens this rank received, i.e.
         column ``rank`` of V1's ``rank_prefix_matrix`` (and V1's internode ``recv_gbl_rank_prefix_sum``).
         Rows ``[prefix[s - 1], prefix[s])`` of the outputs came from rank ``s``."""
-        return self.core.psum_num_recv_tokens_per_scaleup_rank
+        return self.core.psum_num_recv_tokens_per_source
 
     @property
     def num_recv_tokens_device(self) -> torch.Tensor:
         """int32 [1] on the device: the rows really received (``<= num_recv_tokens``), without a sync."""
-        return self.core.psum_num_recv_tokens_per_scaleup_rank[-1:]
+        return self.core.psum_num_recv_tokens_per_source[-1:]
 
     @property
     def recv_src_idx(self) -> torch.Tensor:
@@ -469,14 +479,15 @@ class DispatchHandle:
         """bool [T, R]: the one passed to dispatch, else computed from the dispatch's routing."""
         if self._is_token_in_rank is None:
             core = self.core
-            self._is_token_in_rank = dispatch_layout(core.topk_idx, core.num_experts, core.num_ranks)[3]
+            self._is_token_in_rank = dispatch_layout(core.routing, core.num_experts, core.num_ranks)[3]
         return self._is_token_in_rank
 
     def _fields(self) -> list[tuple[str, Any]]:
         """(name, getter or None) in V1's tuple order."""
         if not self.internode:
+            matrix = self.rank_prefix_matrix
             return [
-                ("rank_prefix_matrix", None if self.rank_prefix_matrix is None else lambda: self.rank_prefix_matrix),
+                ("rank_prefix_matrix", None if matrix is None else lambda: matrix),
                 ("channel_prefix_matrix", None),
                 ("recv_channel_prefix_matrix", None),
                 ("recv_src_idx", lambda: self.recv_src_idx),
@@ -513,8 +524,7 @@ class DispatchHandle:
         kind = "internode" if self.internode else "intranode"
         if name == "rank_prefix_matrix":
             reason = (
-                f"needs every rank's send counts, which a dispatch with topk_idx does not exchange (a dispatch "
-                f"without topk_idx and with a CPU sync does): column "
+                f"needs every rank's send counts, which this handle's core does not hold: column "
                 f"{self.rank} of it is handle.recv_rank_prefix_sum (exact); Buffer.gather_rank_prefix_matrix(handle) "
                 "builds the whole matrix with one all-gather over the group (collective)"
             )
@@ -824,9 +834,10 @@ class Buffer:
                 )
 
     def _too_small(self, num_tokens: int, hidden: int, num_topk: int, use_fp8: bool) -> BufferTooSmallError:
-        capacity = self.token_capacity(hidden, num_topk, use_fp8)
+        # Sized as dispatch sizes T_max: by the bf16 footprint, whatever x's type.
+        capacity = self.token_capacity(hidden, num_topk, use_fp8=False)
         needed = bytes_for_tokens(
-            self.group_size, self._num_scaleup_ranks(), max(num_tokens, 1), hidden, num_topk, use_fp8
+            self.group_size, self._num_scaleup_ranks(), max(num_tokens, 1), hidden, num_topk, use_fp8=False
         )
         available = self._ht_region_bytes()
         # With low_latency_mode, num_rdma_bytes belongs to the LL window.
@@ -923,8 +934,9 @@ class Buffer:
         ``is_token_in_rank`` marks (R <= 32), ``recv_topk_idx`` / ``recv_topk_weights`` are None,
         combine sums the rows of every receiving rank, and ``num_recv_tokens_per_expert_list`` is the
         sum over ranks of their ``num_tokens_per_expert`` for this rank's experts, aligned, as V1's;
-        with a CPU sync that takes one all-gather over the group, which also gives the handle its
-        ``rank_prefix_matrix`` (``handle[0]``).
+        with a CPU sync that takes one all-gather over the group (which also gives a hybrid-mode
+        handle its ``rank_prefix_matrix``). On one node the handle's ``rank_prefix_matrix``
+        (``handle[0]``) comes from the dispatch's count exchange either way.
         Rows arrive ordered by (source rank, source token). ``recv_topk_idx`` int64 ``[N, K]``: local
         expert ids, -1 elsewhere; ``recv_topk_weights`` fp32 ``[N, K]``, 0 where ``recv_topk_idx`` is
         -1. ``num_recv_tokens_per_expert_list``: per local expert, rounded up to ``expert_alignment``
@@ -988,7 +1000,10 @@ class Buffer:
             self._check_layout_arguments(
                 num_tokens, num_experts, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank
             )
-            capacity = self.token_capacity(hidden, num_topk, use_fp8)
+            # T_max from the bf16 footprint whatever x's type: the handle may serve cached dispatches
+            # of either type (DeepEP's tuning reuses an fp8 dispatch's handle for bf16 rows), and
+            # the fp8 footprint is under 1% smaller.
+            capacity = self.token_capacity(hidden, num_topk, use_fp8=False)
         except Exception as error:
             # Peers run this dispatch: take part without data (as the core does for its own checks).
             core._dispatch_without_input(None, num_experts, error)
@@ -1152,9 +1167,10 @@ class Buffer:
 
         ``x`` bf16 ``[handle.num_recv_tokens, H]`` (one row per dispatched row; padding rows of a
         ``num_worst_tokens`` dispatch are not read). Each token's rows are summed without weights,
-        plus ``bias`` (a tensor or a pair); ``combined_topk_weights[t, k]`` is slot k's weight as the
-        rank owning that expert sent it (0 for -1): V1's sum over ranks when the other ranks' slots
-        hold 0, as dispatch returns them.
+        plus ``bias`` (a tensor or a pair). ``combined_topk_weights[t, k]`` follows V1: the fp32 sum,
+        over the ranks that received token t (ascending, from +0.0; several nodes: per node first),
+        of slot k of the ``topk_weights`` row each passes, all K slots whatever experts they name (a
+        slot dispatch returned as 0 adds 0 unless the caller wrote into it).
         """
         core = self._usable_core()
         previous_event = event_or_none(previous_event)
@@ -1176,20 +1192,22 @@ class Buffer:
             previous_event=previous_event,
             async_with_compute_stream=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
+            sum_topk_weights=True,
         )
 
     # ------------------------------------------------------------------ extras
 
     def gather_rank_prefix_matrix(self, handle: DispatchHandle) -> torch.Tensor:
         """V1's ``rank_prefix_matrix`` of ``handle``'s dispatch: int32 ``[R, R]``, entry ``[i, j]`` the
-        tokens ranks ``0..i`` sent to rank ``j``. **Collective**: one all-gather of each rank's send
+        tokens ranks ``0..i`` sent to rank ``j``. The handle's own (``handle.rank_prefix_matrix``) when
+        it has one (always on one node); otherwise **collective**: one all-gather of each rank's send
         counts over ``group`` (every rank must call it for the same dispatch, in the same order)."""
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
         if handle.rank_prefix_matrix is not None:
             return handle.rank_prefix_matrix
         core = handle.core  # what the core really routed (sanitised), not the layout passed in
-        sent = dispatch_layout(core.topk_idx, core.num_experts, core.num_ranks)[0]
+        sent = dispatch_layout(core.routing, core.num_experts, core.num_ranks)[0]
         return self._all_gather_rows(sent).to(sent.device).cumsum(dim=0, dtype=torch.int32)
 
     def get_comm_stream(self) -> torch.cuda.Stream:

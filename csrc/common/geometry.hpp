@@ -311,6 +311,8 @@ EP_HOST_DEVICE constexpr int64_t notify_message_ints(int num_scaleup_ranks, int 
 //   scale-out signals uint64 [kMaxScaleoutSignals]: the lsa transport's signal cells (monotonic)
 //   signal shadows  uint64 [kMaxScaleoutSignals]: what this rank has consumed of each signal (local)
 //   notify messages int32, send and receive: hybrid notify's per-node counts (scale-out transport)
+//   LL published    int64 [kLowLatencyAreas][kMaxRanks]: LL across nodes, release counts signalled
+//   rank send counts int32 [kMaxRanks]: HT notify (direct), tokens this rank sends to each rank
 struct WorkspaceLayout {
   static constexpr int kNumGridCounters = 64;
   static constexpr int kNumScratchInts = 4 * kMaxRanks;
@@ -341,7 +343,12 @@ struct WorkspaceLayout {
   // LL across nodes: [area][peer] int64, the release count this rank last signalled to that peer
   // for that area (signals only add: the next release adds the difference). Persistent.
   static constexpr int64_t ll_published_offset = align_up(notify_recv_offset + kMaxNotifyMessageInts * 4, 8);
-  static constexpr int64_t used_bytes = ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 8;
+  // HT notify, direct mode: int32 [destination rank], the tokens this rank sends to each rank in the
+  // current uncached dispatch. Written by this rank before it releases its count cells; its peers
+  // read it through their peer pointer after acquiring those cells (V1's rank prefix matrix).
+  // Overwritten by every notify, never cleared: outside the zero invariant.
+  static constexpr int64_t rank_send_counts_offset = ll_published_offset + int64_t{kLowLatencyAreas} * kMaxRanks * 8;
+  static constexpr int64_t used_bytes = rank_send_counts_offset + int64_t{kMaxRanks} * 4;
   static constexpr int64_t bytes = align_up(used_bytes, kWindowAlignBytes);
 };
 

@@ -154,7 +154,10 @@ struct NotifyArgs {
   int32_t* counts = nullptr;           // out: counts_layout(R, L)
   int32_t* mapped_counters = nullptr;  // device pointer of the host-mapped counters; nullptr: no CPU sync
   int32_t* send_base = nullptr;        // zero-copy receive: out [R] this rank's first final row at each rank
-  HybridRouting hybrid;                // hybrid mode: out node_slot, node_counts, forward_prefix
+  // Direct mode only: out [R, R] V1's rank prefix matrix, [s][d] = tokens ranks 0..s send to rank d;
+  // nullptr: not wanted.
+  int32_t* rank_prefix_matrix = nullptr;
+  HybridRouting hybrid;  // hybrid mode: out node_slot, node_counts, forward_prefix
   int num_sms = 1;
   bool input_failed = false;  // this rank takes part with T = 0 and tells its peers its input failed
   // Divisions by K and by L, set by launch_notify (the kernel divides every routing entry).
@@ -214,7 +217,8 @@ struct CombineArgs {
   const int64_t* topk_idx = nullptr;  // the handle's copy [T, K]
   HybridRouting hybrid;
   int num_sms = 1;
-  bool input_failed = false;  // this rank's input failed: it sends zero rows (or none) and tells its peers
+  bool input_failed = false;      // this rank's input failed: it sends zero rows (or none) and tells its peers
+  bool sum_topk_weights = false;  // hybrid forwarder: node partial weights by V1's rule (see ReduceArgs)
 };
 
 struct ReduceArgs {
@@ -226,6 +230,10 @@ struct ReduceArgs {
   const void* bias1 = nullptr;
   void* combined_x = nullptr;              // bf16 [T, H]
   float* combined_topk_weights = nullptr;  // [T, K] or nullptr
+  // Weight k: false, the one sent by the rank (node) owning expert k (DeepEP V2); true, the fp32 sum
+  // of slot k over every term, owners ascending, from +0.0 (DeepEP V1: all K slots of every rank
+  // that received the token, whatever its experts there).
+  bool sum_topk_weights = false;
   int num_ctas = 1;
 };
 
@@ -243,6 +251,7 @@ struct PullCombineArgs {
   const void* bias1 = nullptr;
   void* combined_x = nullptr;              // bf16 [T, H]
   float* combined_topk_weights = nullptr;  // [T, K] or nullptr: weights are not read
+  bool sum_topk_weights = false;           // as in ReduceArgs
   int num_sms = 1;
   bool input_failed = false;  // this rank's input failed: it zeroed its combine input and tells its peers
 };

@@ -3,14 +3,18 @@
 // distinct destination ranks (ascending; kept in recv_src_info by the dispatch epilogue).
 // Hybrid: the row goes over load/store to the token's forwarder on this node (the home rank's rail
 // peer here), row [j][home node][token] with j counted among the token's ranks on this node; after
-// a node barrier each forwarder sums its node's rows per token (ascending rank, fp32, one bf16
-// rounding) and puts the partial to the home rank (scale-out transport; lsa: stores the sum there
-// directly), which waits for them
-// before the reduce kernel adds biases and node partials in ascending node order.
+// a node barrier each forwarder sums its node's rows per token (fp32, one bf16 rounding) and puts
+// the partial to the home rank (scale-out transport; lsa: stores the sum there directly), which
+// waits for them before the reduce kernel adds biases and node partials.
 //
-// Expand mode sends one row per token: the fp32 sum of its expanded rows in ascending row order
-// (= ascending local expert: expert groups are laid out in expert order), rounded to bf16 once.
-// The K weights travel in the same slot; the home rank gathers weight k from the rank owning expert k.
+// Every sum follows DeepEP V2's reference combine (deep_ep/utils/refs.py there): the terms go in
+// ascending order of each term's last top-k lane (a rank's last lane at the forwarder, a node's at
+// the home rank), not in row order; term_rows_in_v2_order (ht_common.cuh) maps one to the other.
+// Expand mode sends one row per token: the fp32 sum of its expanded rows in top-k lane order (as
+// V2 sums a rank's lanes), rounded to bf16 once.
+// The K weights travel in the same slot; the home rank gathers weight k from the rank owning expert k
+// (DeepEP V2), or sums slot k over every rank that received the token (V1; hybrid: per node at the
+// forwarder, then over nodes).
 #include <stdexcept>
 #include <string>
 
@@ -31,40 +35,23 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCopyUnroll = 4;
 constexpr int kSumUnroll = 2;
 
-// Lane k holds expanded row `row` (-1: none). Returns on lane r the r-th smallest valid row (-1
-// past the count), so the sum visits the rows in a fixed order whatever the top-k order.
-__device__ __forceinline__ int sort_rows_to_lanes(int row, int* num_rows) {
-  const int lane = lane_id();
-  const bool valid = row >= 0;
-  const uint32_t valid_lanes = __ballot_sync(kFullMask, valid);
-  int rank = 0;
-  for (int other = 0; other < 32; ++other) {
-    const int other_row = __shfl_sync(kFullMask, row, other);
-    if (((valid_lanes >> other) & 1u) != 0 && (other_row < row || (other_row == row && other < lane))) ++rank;
-  }
-  *num_rows = __popc(valid_lanes);
-  int ordered = -1;
-  for (int position = 0; position < *num_rows; ++position) {
-    const uint32_t holder = __ballot_sync(kFullMask, valid && rank == position);
-    const int value = __shfl_sync(kFullMask, row, __ffs(holder) - 1);
-    if (lane == position) ordered = value;
-  }
-  return ordered;
-}
-
-__device__ void send_expanded_sum(const int4* x, int64_t num_vectors, int ordered_row, int num_rows, int4* dst) {
-  // Term j: x's row held by lane j (rows past num_rows are never loaded; clamped to stay in x).
+// Expand mode: this rank's partial of one token into `dst`. Lane k holds the expanded row of top-k
+// entry k (-1: its expert is elsewhere); the rows are summed in lane order, as V2 sums a rank's lanes.
+__device__ void send_expanded_sum(const int4* x, int64_t num_vectors, int expanded_row, int4* dst) {
+  const uint32_t row_lanes = __ballot_sync(kFullMask, expanded_row >= 0);
+  // Lane j: the row of term j (0 past the terms: such rows are never loaded, the address stays in x).
+  const int term_row = gather_in_lane_order(row_lanes, expanded_row, 0);
   sum_row_to_bf16<kSumUnroll>(
-      dst, nullptr, nullptr, num_rows, num_vectors,
-      [&](int j) { return x + int64_t{max(__shfl_sync(kFullMask, ordered_row, j & 31), 0)} * num_vectors; },
+      dst, nullptr, nullptr, __popc(row_lanes), num_vectors,
+      [&](int j) { return x + int64_t{__shfl_sync(kFullMask, term_row, j & 31)} * num_vectors; },
       [](const int4* p) { return ptx::ld_nc_v4(p); });
 }
 
-// Hybrid mode, forwarder phase: the node partial of one token (this node's rows of it, summed in
-// ascending rank order in fp32, rounded once) into `dst`, and the weights of this node's entries.
-// Lane k holds the token's expert k (-1: none).
+// Hybrid mode, forwarder phase: the node partial of one token (this node's rows of it, summed in fp32
+// in ascending order of each rank's last top-k lane, as V2 sums a node's rank partials; rounded
+// once) into `dst`, and the weights of this node's entries. Lane k holds the token's expert k (-1: none).
 __device__ void sum_node_rows(const DeviceView& view, const HtCall& call, int source_node, int64_t token, int expert,
-                              uint8_t* dst) {
+                              bool sum_topk_weights, uint8_t* dst) {
   const int lane = lane_id();
   const int node = call.node_of(view.rank);
   const int node_first = node * call.ranks_per_node();
@@ -73,23 +60,24 @@ __device__ void sum_node_rows(const DeviceView& view, const HtCall& call, int so
   const int64_t num_vectors = int64_t{call.hidden} / kBf16PerVector;
   const int expert_rank = expert >= 0 ? call.rank_of_expert(expert) : -1;
   const int in_node_rank = (expert_rank >= node_first && expert_rank < node_end) ? expert_rank : -1;
-  const uint32_t first_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(in_node_rank));
-  const int num_terms = __popc(first_lanes);
+  // Row j holds the rank with j of the token's ranks on this node below it.
+  const TermRows terms = term_rows_in_v2_order(in_node_rank);
   const uint8_t* rows = view.local<uint8_t>(call.combine_row_slot(0, source_node, token));
   const int64_t row_stride =
       call.combine_row_slot(1, source_node, token) - call.combine_row_slot(0, source_node, token);
   // __ldcg: the rows were stored by this node's ranks during this kernel.
   sum_row_to_bf16<kSumUnroll>(
-      reinterpret_cast<int4*>(dst), nullptr, nullptr, num_terms, num_vectors,
-      [&](int j) { return reinterpret_cast<const int4*>(rows + j * row_stride); },
+      reinterpret_cast<int4*>(dst), nullptr, nullptr, terms.num_terms, num_vectors,
+      [&](int j) {
+        return reinterpret_cast<const int4*>(rows + __shfl_sync(kFullMask, terms.row, j & 31) * row_stride);
+      },
       [](const int4* p) { return __ldcg(p); });
-  // Weight k comes from the row of the rank owning expert k; entries of other nodes carry 0.
-  const int term = distinct_ranks_in(in_node_rank, first_lanes, node_first, in_node_rank);
+  // Owner rule: weight k from the row of the rank owning expert k (entries of other nodes carry 0);
+  // sum rule: the node's rows summed, ranks ascending (V1's first level).
   if (lane < call.num_topk) {
-    float weight = 0.0f;
-    if (in_node_rank >= 0)
-      weight = __ldcg(reinterpret_cast<const float*>(rows + term * row_stride + combine.weights_offset) + lane);
-    reinterpret_cast<float*>(dst + combine.weights_offset)[lane] = weight;
+    reinterpret_cast<float*>(dst + combine.weights_offset)[lane] =
+        combined_slot_weight(rows, row_stride, combine.weights_offset, terms, in_node_rank >= 0, sum_topk_weights,
+                             [](const float* p) { return __ldcg(p); });
   }
 }
 
@@ -149,15 +137,17 @@ __device__ bool forward_partials(const CombineArgs& args, scaleout::DeferredQueu
         const uint32_t node_lanes = __ballot_sync(kFullMask, is_first_lane_of_rank(expert_node));
         const int node_index = distinct_ranks_in(expert_node, node_lanes, 0, node);
         if (m == node) {
-          sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_slot(node_index, token)));
+          sum_node_rows(view, call, m, token, expert, args.sum_topk_weights,
+                        view.local<uint8_t>(call.partial_slot(node_index, token)));
         } else if (view.scaleout.kind == ScaleoutKind::kLsa) {
           // lsa, whose puts are plain stores anyway: sum straight into the home rank's partial row
           // (no staging write and re-read). The batch's signal covers these stores as it covers a put.
-          sum_node_rows(view, call, m, token, expert,
+          sum_node_rows(view, call, m, token, expert, args.sum_topk_weights,
                         view.peer<uint8_t>(call.rail_peer(view.rank, m), call.partial_slot(node_index, token)));
           if (lane == 0) atomicAdd(&batch_rows[m], 1);
         } else {
-          sum_node_rows(view, call, m, token, expert, view.local<uint8_t>(call.partial_send_slot(m, token)));
+          sum_node_rows(view, call, m, token, expert, args.sum_topk_weights,
+                        view.local<uint8_t>(call.partial_send_slot(m, token)));
           __syncwarp();
           transport.put(call.rail_peer(view.rank, m), call.partial_slot(node_index, token),
                         call.partial_send_slot(m, token), call.combine_token().bytes);
@@ -203,7 +193,7 @@ __device__ bool wait_partials(const CombineArgs& args) {
   return failed == 0;
 }
 
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const CombineArgs args) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_impl(const CombineArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   __shared__ scaleout::DeferredQueue queue;
@@ -246,9 +236,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const Combi
       if (lane < num_topk && args.topk_weights != nullptr) weight = __ldg(args.topk_weights + row * num_topk + lane);
     } else {
       const int expanded_row = lane < num_topk ? __ldg(args.recv_expanded_rows + row * num_topk + lane) : -1;
-      int num_terms = 0;
-      const int ordered_row = sort_rows_to_lanes(expanded_row, &num_terms);
-      send_expanded_sum(x, num_vectors, ordered_row, num_terms, reinterpret_cast<int4*>(dst));
+      send_expanded_sum(x, num_vectors, expanded_row, reinterpret_cast<int4*>(dst));
       if (expanded_row >= 0 && args.topk_weights != nullptr) weight = __ldg(args.topk_weights + expanded_row);
     }
     if (lane < num_topk && (args.topk_weights != nullptr || x == nullptr)) {
@@ -291,10 +279,10 @@ void launch_combine(const CombineArgs& args, cudaStream_t stream) {
              "expand combine needs the expanded row map");
   EP_REQUIRE(args.x != nullptr || args.input_failed || args.num_meta_rows == 0,
              "combine needs x (only a failed input sends zero rows)");
-  combine_kernel<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("ht combine_kernel");
+  combine_impl<<<args.num_sms, kCombineThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht combine_impl");
 }
 
-void preload_ht_combine_kernels() { preload_kernel(combine_kernel, "ht combine"); }
+void preload_ht_combine_kernels() { preload_kernel(combine_impl, "ht combine (combine_impl)"); }
 
 }  // namespace deep_ep::ht

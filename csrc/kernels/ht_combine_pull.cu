@@ -2,7 +2,8 @@
 // order, into the combine input rows of its own window (and the combine call copied their weights
 // next to them); after the entry barrier each home rank reads, for each own token, the rows of the
 // token's destination ranks straight from their windows and sums
-//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += row of the j-th destination rank, j ascending;
+//   acc = 0 (fp32); acc += bias0; acc += bias1; acc += each rank's row in DeepEP V2's order
+//   (ascending last top-k lane of the rank, term_rows_in_v2_order in ht_common.cuh);
 //   out = bf16(acc), rounded once
 // exactly as the push path's reduce does, so the result is bitwise the same, with one pass over the
 // rows instead of three (send, land, reduce). The row of token t at rank d is d's received row
@@ -40,7 +41,35 @@ constexpr int kSumUnroll = 2;
 // peers' windows waited long enough to gain.
 constexpr int kPullPrefetchChunks = 2;
 
-__global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const PullCombineArgs args) {
+// V1's combined weight of top-k slot `lane_id()` (returned on lanes < K): the slot of the token's row
+// at every destination rank, ranks ascending, added in fp32 from +0.0 (as the push path's reduce
+// does with PullCombineArgs::sum_topk_weights). Lane k holds its expert's rank and the token's row
+// there; `holds_row`: one lane per rank (its first). Called by all 32 lanes.
+__device__ float summed_slot_weight(const DeviceView& view, const HtCall& call, int rank, int64_t rank_row,
+                                    bool holds_row, int num_ranks_of_token) {
+  const int lane = lane_id();
+  const uint32_t holders = __ballot_sync(kFullMask, holds_row);
+  // Lane p gets the weights of the token's p-th lowest rank.
+  const int position = distinct_ranks_in(rank, holders, 0, rank);
+  const auto my_weights =
+      holds_row ? reinterpret_cast<unsigned long long>(view.peer<float>(rank, call.combine_input_weights(rank_row)))
+                : 0ull;
+  unsigned long long ascending = 0;
+  for (uint32_t lanes = holders; lanes != 0; lanes &= lanes - 1) {
+    const int holder = __ffs(lanes) - 1;
+    const int held_position = __shfl_sync(kFullMask, position, holder);
+    const unsigned long long held = __shfl_sync(kFullMask, my_weights, holder);
+    if (lane == held_position) ascending = held;
+  }
+  float weight = 0.0f;
+  for (int p = 0; p < num_ranks_of_token; ++p) {
+    const auto* weights = reinterpret_cast<const float*>(__shfl_sync(kFullMask, ascending, p));
+    if (lane < call.num_topk) weight = __fadd_rn(weight, __ldcg(weights + lane));
+  }
+  return weight;
+}
+
+__global__ void __launch_bounds__(kPullThreads, 1) combine_impl_pull(const PullCombineArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   clock_phase(view, ClockedKernel::kHtCombinePull, 0);
@@ -66,23 +95,21 @@ __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const Pul
     const int64_t entry = int64_t{t} * num_topk + lane;
     const int expert = lane < num_topk ? handle_expert(args.topk_idx, entry, call.num_experts) : -1;
     const int rank = expert >= 0 ? expert / num_local : -1;
-    const bool first = is_first_lane_of_rank(rank);
-    const uint32_t first_lanes = __ballot_sync(kFullMask, first);
-    const int num_terms = __popc(first_lanes);
-    // The first lane of each destination rank holds the token's row there.
+    const uint32_t same_rank = __match_any_sync(kFullMask, rank);
+    // The first lane of each destination rank holds the token's slot there: every lane of the rank
+    // gets the token's row at that rank.
+    const int first_lane = __ffs(same_rank) - 1;
     int64_t my_row = -1;
-    if (first) my_row = int64_t{args.send_base[rank]} + args.dst_slot[entry];
-    const uint8_t* my_row_pointer = first ? view.peer<uint8_t>(rank, call.combine_input_row(my_row)) : nullptr;
-    // Term j is the token's j-th destination rank in ascending order (the push path's row j): lane j
-    // gets its row.
-    const int below = distinct_ranks_in(rank, first_lanes, 0, rank);
-    const int term = first ? below : -1;
-    const uint8_t* term_row = nullptr;
-    for (int j = 0; j < num_terms; ++j) {
-      const int holder = __ffs(__ballot_sync(kFullMask, term == j)) - 1;
-      const auto pointer = __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_row_pointer), holder);
-      if (lane == j) term_row = reinterpret_cast<const uint8_t*>(pointer);
-    }
+    if (rank >= 0 && lane == first_lane) my_row = int64_t{args.send_base[rank]} + args.dst_slot[entry];
+    const int64_t rank_row = __shfl_sync(kFullMask, my_row, first_lane);
+    // Term j is the rank whose last top-k lane is the j-th lowest of the token's ranks' last lanes
+    // (DeepEP V2's order, as the push path's reduce sums): lane j gets its row.
+    const bool last = rank >= 0 && 31 - __clz(same_rank) == lane;
+    const uint32_t last_lanes = __ballot_sync(kFullMask, last);
+    const int num_terms = __popc(last_lanes);
+    const auto my_term = reinterpret_cast<unsigned long long>(
+        last ? view.peer<uint8_t>(rank, call.combine_input_row(rank_row)) : nullptr);
+    const auto* term_row = reinterpret_cast<const uint8_t*>(gather_in_lane_order(last_lanes, my_term, 0ull));
 
     // __ldcg: the rows are in peers' memory, written before this kernel by their own streams.
     const int64_t row = t * num_vectors;
@@ -96,14 +123,14 @@ __global__ void __launch_bounds__(kPullThreads, 1) pull_combine_kernel(const Pul
         [](const int4* p) { return __ldcg(p); });
 
     if (args.combined_topk_weights != nullptr) {
-      // Weight k comes from the row of the rank owning expert k (its first lane holds the row).
-      const int owner = __ffs(__match_any_sync(kFullMask, rank)) - 1;
-      const int64_t owner_row = __shfl_sync(kFullMask, my_row, owner);
-      if (lane < num_topk) {
-        float weight = 0.0f;
-        if (expert >= 0) weight = __ldcg(view.peer<float>(rank, call.combine_input_weights(owner_row)) + lane);
-        args.combined_topk_weights[entry] = weight;
+      float weight = 0.0f;
+      if (args.sum_topk_weights) {
+        weight = summed_slot_weight(view, call, rank, rank_row, rank >= 0 && lane == first_lane, num_terms);
+      } else if (expert >= 0 && lane < num_topk) {
+        // Weight k comes from the row of the rank owning expert k.
+        weight = __ldcg(view.peer<float>(rank, call.combine_input_weights(rank_row)) + lane);
       }
+      if (lane < num_topk) args.combined_topk_weights[entry] = weight;
     }
   }
 
@@ -125,10 +152,12 @@ void launch_pull_combine(const PullCombineArgs& args, cudaStream_t stream) {
                                       args.send_base != nullptr && args.combined_x != nullptr),
              "zero-copy combine needs the handle's routing, destination slots and send_base (from a "
              "zero_copy_recv dispatch) and an output");
-  pull_combine_kernel<<<args.num_sms, kPullThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("ht pull_combine_kernel");
+  combine_impl_pull<<<args.num_sms, kPullThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht combine_impl_pull");
 }
 
-void preload_ht_combine_pull_kernels() { preload_kernel(pull_combine_kernel, "ht zero-copy combine"); }
+void preload_ht_combine_pull_kernels() {
+  preload_kernel(combine_impl_pull, "ht zero-copy combine (combine_impl_pull)");
+}
 
 }  // namespace deep_ep::ht

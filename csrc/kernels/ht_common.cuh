@@ -82,6 +82,28 @@ __device__ __forceinline__ bool is_first_lane_of_rank(int rank) {
   return rank >= 0 && __ffs(same) - 1 == lane_id();
 }
 
+// The same for the highest lane of each rank (or node): where DeepEP V2's reference combine leaves
+// a rank's partial sum before it adds the K lanes in order, so these lanes fix the combine order.
+__device__ __forceinline__ bool is_last_lane_of_rank(int rank) {
+  const uint32_t same = __match_any_sync(kFullMask, rank);
+  return rank >= 0 && 31 - __clz(same) == lane_id();
+}
+
+// Lane p gets `value` of the p-th lane set in `holders` (lanes ascending), `fallback` on lanes
+// p >= popc(holders). `holders` must be the same on every lane (a ballot); at most popc(holders)
+// shuffles.
+template <typename T>
+__device__ __forceinline__ T gather_in_lane_order(uint32_t holders, T value, T fallback) {
+  const int lane = lane_id();
+  T gathered = fallback;
+  int position = 0;
+  for (uint32_t lanes = holders; lanes != 0; lanes &= lanes - 1, ++position) {
+    const T held = __shfl_sync(kFullMask, value, __ffs(lanes) - 1);
+    if (lane == position) gathered = held;
+  }
+  return gathered;
+}
+
 // Copies `num_vectors` 16-byte vectors from `src` to the rows held by the lanes set in
 // `dst_lanes` (lane k's row is `my_dst`): the source is read once whatever the number of
 // destinations. Called by all 32 lanes. Unless `kWrittenByThisLaunch`, `src` must not be written by
@@ -166,14 +188,15 @@ __device__ __forceinline__ void store_dispatch_slot(const HtCall& call, const ui
                               my_scales, my_slot);
 }
 
-// Lane k holds the rank of its entry and whether it is the first lane of that rank: the number of
-// the token's distinct destination ranks in [low, high).
-// `low` and `high` may differ between lanes (each lane gets its own count).
+// Lane k holds the rank of its entry; `first_lanes` marks one lane of each of the token's distinct
+// ranks (its first or its last lane) and is the same on every lane (a ballot): the number of the
+// token's distinct ranks in [low, high). `low` and `high` may differ between lanes (each lane gets
+// its own count). One shuffle per distinct rank.
 __device__ __forceinline__ int distinct_ranks_in(int rank, uint32_t first_lanes, int low, int high) {
   int count = 0;
-  for (int other = 0; other < 32; ++other) {
-    const int other_rank = __shfl_sync(kFullMask, rank, other);
-    if (((first_lanes >> other) & 1u) != 0 && other_rank >= low && other_rank < high) ++count;
+  for (uint32_t lanes = first_lanes; lanes != 0; lanes &= lanes - 1) {
+    const int other_rank = __shfl_sync(kFullMask, rank, __ffs(lanes) - 1);
+    if (other_rank >= low && other_rank < high) ++count;
   }
   return count;
 }
@@ -182,6 +205,46 @@ __device__ __forceinline__ int distinct_ranks_in(int rank, uint32_t first_lanes,
 __device__ __forceinline__ int distinct_ranks_in_uniform(int rank, uint32_t first_lanes, int low, int high) {
   const bool counted = ((first_lanes >> lane_id()) & 1u) != 0 && rank >= low && rank < high;
   return __popc(__ballot_sync(kFullMask, counted));
+}
+
+// The terms of a token's combine sum in DeepEP V2's order. Lane k holds `owner`, the rank (or node)
+// whose term covers its top-k entry (-1: none). The terms sit in rows by owner, ascending (row j:
+// the owner with j of the token's owners below it, where the senders put it), but V2's reference
+// combine leaves each owner's partial on the owner's last lane and then adds the K lanes in lane
+// order: the terms go in ascending order of their owners' last lanes. For [r1, r0, r1] (lanes 0-2)
+// the rows are r0 -> 0, r1 -> 1, and the order is r0 (last lane 1), then r1 (last lane 2).
+struct TermRows {
+  int num_terms;  // distinct owners of the token
+  int own_row;    // the row of this lane's owner (meaningless where owner < 0)
+  int row;        // lane p: the row of the p-th term in V2's order; 0 for p >= num_terms
+};
+
+__device__ __forceinline__ TermRows term_rows_in_v2_order(int owner) {
+  const uint32_t last_lanes = __ballot_sync(kFullMask, is_last_lane_of_rank(owner));
+  TermRows rows;
+  rows.num_terms = __popc(last_lanes);
+  rows.own_row = distinct_ranks_in(owner, last_lanes, 0, owner);
+  // The i-th last lane in lane order is the i-th term: gather the rows of those lanes.
+  rows.row = gather_in_lane_order(last_lanes, rows.own_row, 0);
+  return rows;
+}
+
+// Combined weight of top-k slot `lane_id()` (< K) of a token whose terms sit in rows `stride` bytes
+// apart from `rows` (row j: the owner with j of the token's owners below it), each with its K
+// weights at `weights_offset`. Owner rule (DeepEP V2): the slot as the row of the lane's own owner
+// sent it, 0 where the lane has none. Sum rule (`sum`, DeepEP V1): the slot of every row, owners
+// ascending, added in fp32 from +0.0 as V1's combine does. `load`: as in accumulate_rows.
+template <typename Load>
+__device__ __forceinline__ float combined_slot_weight(const uint8_t* rows, int64_t stride, int64_t weights_offset,
+                                                      const TermRows& terms, bool has_owner, bool sum,
+                                                      const Load& load) {
+  const auto slot_of = [&](int row) {
+    return reinterpret_cast<const float*>(rows + row * stride + weights_offset) + lane_id();
+  };
+  if (!sum) return has_owner ? load(slot_of(terms.own_row)) : 0.0f;
+  float weight = 0.0f;
+  for (int row = 0; row < terms.num_terms; ++row) weight = __fadd_rn(weight, load(slot_of(row)));
+  return weight;
 }
 
 // acc += 8 bf16 values, each addition a single fp32 rounding (no contraction, no reassociation).
@@ -205,11 +268,11 @@ __device__ __forceinline__ int4 round_to_bf16x8(const float (&acc)[kBf16PerVecto
 }
 
 // acc[u] += terms [0, num_terms) at vector `base + u * 32 + lane` (term j's row: row_of(j), called
-// by every lane for every j, so it may shuffle), in ascending term order: the fixed order is what
-// makes the sum bitwise reproducible. The loads of up to kSumTermsInFlight terms are issued before
-// any is added, so a warp keeps that many rows' loads in flight instead of one (the sums are bound
-// by load latency, not bandwidth). `load` is the load the caller's coherence needs (__ldcg for rows
-// peers wrote in this kernel or a peer's window, ld.nc for rows of an earlier kernel).
+// by every lane for every j, so it may shuffle), term 0 first: the fixed order is what makes the
+// sum bitwise reproducible, and the callers number the terms in DeepEP V2's order. The loads of up
+// to kSumTermsInFlight terms are issued before any is added, so a warp keeps that many rows' loads
+// in flight instead of one (the sums are bound by load latency, not bandwidth). `load` is the load the caller's
+// coherence needs (__ldcg for rows peers wrote in this kernel or a peer's window, ld.nc for rows of an earlier kernel).
 constexpr int kSumTermsInFlight = 4;
 
 template <int kUnroll, typename RowOf, typename Load>
@@ -240,8 +303,12 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kUnroll][kBf16PerVe
 
 // One warp, one token: out = bf16(bias0 + bias1 + term 0 + ... + term num_terms-1), summed in fp32 in
 // that order and rounded once, kUnroll vectors per lane at a time (every combine sum: the reduce,
-// the zero-copy pull, the hybrid forwarder's node partial). A null bias is skipped; the biases and
-// `out` point at the token's row; terms as in accumulate_rows.
+// the zero-copy pull, the hybrid forwarder's node partial, the expand sender's rank partial). A null
+// bias is skipped; the biases and `out` point at the token's row; terms as in accumulate_rows.
+// DeepEP V2's reference starts from bias0 + bias1 instead of +0.0 and also adds its zero lanes: no
+// bit differs, since a +0.0 start or addend can only change the sign of a zero sum, and neither
+// form ends in -0.0 (ours starts at +0.0; each of V2's K >= 1 lanes is a sum started at +0.0, or
+// +0.0, so its first lane already clears a -0.0 bias sum).
 //
 // kPrefetchChunks > 0: lane j < num_terms keeps term j's next kPrefetchChunks chunks (32 * kUnroll
 // vectors each) on their way into L2 by bulk prefetches, so that a warp's loads find them there:

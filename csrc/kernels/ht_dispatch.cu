@@ -27,7 +27,7 @@ constexpr int kDispatchWarps = kDispatchThreads / 32;
 // with one rank per GPU.
 constexpr int kCopyUnroll = 16;
 
-__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(const DispatchArgs args) {
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_impl(const DispatchArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   clock_phase(view, ClockedKernel::kHtDispatch, 0);
@@ -106,10 +106,10 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
     launch_hybrid_dispatch(args, stream);
     return;
   }
-  dispatch_kernel<<<args.num_sms, kDispatchThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("ht dispatch_kernel");
+  dispatch_impl<<<args.num_sms, kDispatchThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht dispatch_impl");
 }
 
-void preload_ht_dispatch_kernels() { preload_kernel(dispatch_kernel, "ht dispatch"); }
+void preload_ht_dispatch_kernels() { preload_kernel(dispatch_impl, "ht dispatch (dispatch_impl)"); }
 
 }  // namespace deep_ep::ht

@@ -108,7 +108,7 @@ __device__ void zero_copy_metadata(const EpilogueArgs& args, const int32_t* psum
   }
 }
 
-__global__ void __launch_bounds__(kEpilogueThreads) epilogue_kernel(const EpilogueArgs args) {
+__global__ void __launch_bounds__(kEpilogueThreads) dispatch_copy_epilogue_impl(const EpilogueArgs args) {
   __shared__ int32_t psum_shared[kMaxRanks];
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
@@ -256,10 +256,12 @@ void launch_dispatch_epilogue(const EpilogueArgs& args, cudaStream_t stream) {
   EP_REQUIRE(!args.call.zero_copy_recv || reinterpret_cast<uintptr_t>(args.recv_src_info) % 16 == 0,
              "zero-copy receive stores each recv_src_info row as one 16-byte vector: the array must be 16-byte "
              "aligned");
-  epilogue_kernel<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("ht dispatch epilogue_kernel");
+  dispatch_copy_epilogue_impl<<<args.num_ctas, kEpilogueThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht dispatch_copy_epilogue_impl");
 }
 
-void preload_ht_dispatch_epilogue_kernels() { preload_kernel(epilogue_kernel, "ht dispatch epilogue"); }
+void preload_ht_dispatch_epilogue_kernels() {
+  preload_kernel(dispatch_copy_epilogue_impl, "ht dispatch epilogue (dispatch_copy_epilogue_impl)");
+}
 
 }  // namespace deep_ep::ht

@@ -259,7 +259,7 @@ __device__ void forward(const DispatchArgs& args) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const DispatchArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_impl_hybrid(const DispatchArgs args) {
   const DeviceView& view = args.view;
   const HtCall& call = args.call;
   __shared__ scaleout::DeferredQueue queue;
@@ -304,10 +304,12 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_kernel(const Disp
 }  // namespace
 
 void launch_hybrid_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  hybrid_dispatch_kernel<<<args.num_sms, kThreads, 0, stream>>>(args);
-  EP_CHECK_LAUNCH("ht hybrid_dispatch_kernel");
+  dispatch_impl_hybrid<<<args.num_sms, kThreads, 0, stream>>>(args);
+  EP_CHECK_LAUNCH("ht dispatch_impl_hybrid");
 }
 
-void preload_ht_dispatch_hybrid_kernels() { preload_kernel(hybrid_dispatch_kernel, "ht hybrid dispatch"); }
+void preload_ht_dispatch_hybrid_kernels() {
+  preload_kernel(dispatch_impl_hybrid, "ht hybrid dispatch (dispatch_impl_hybrid)");
+}
 
 }  // namespace deep_ep::ht

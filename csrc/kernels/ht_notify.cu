@@ -14,7 +14,9 @@
 // the grid sync; CTA 0 reads and clears them), exchanges counts through the
 // workspace cells ("count + 1", 0 = not arrived; in direct mode with no entry barrier: the
 // exchange is the gate, see exchange_counts), resets the cells it consumed, and writes the handle's
-// counts and, for a CPU sync, the host-mapped counters with the ready cell last. The other CTAs
+// counts and, for a CPU sync, the host-mapped counters with the ready cell last; in direct mode it
+// then builds V1's rank prefix matrix from the send-count rows every source left in its own window
+// before releasing its cells (write_rank_prefix_matrix). The other CTAs
 // share CTA 0's step 3 (a lone CTA 0 does it while the peers' counts travel). Step 1 also writes
 // the handle's sanitised copy of topk_idx.
 //
@@ -573,6 +575,18 @@ __device__ bool exchange_send_bases(const NotifyArgs& args, const int32_t* recv_
   return failed == 0;
 }
 
+// Direct mode, CTA 0, before the release of the rank cells: this rank's per-destination token
+// counts (`per_rank`: [R]) into its own window, where every receiver reads them once it acquired
+// this rank's cell (write_rank_prefix_matrix). Not cleared: the next notify overwrites the row, and a
+// receiver reads it before it enters this operation's dispatch exit barrier, which this rank must
+// pass before its next notify.
+__device__ void store_rank_send_counts(const DeviceView& view, const int32_t* per_rank) {
+  for (int dest = threadIdx.x; dest < view.num_ranks; dest += blockDim.x) {
+    ptx::st_relaxed_sys(view.local<int32_t>(WorkspaceLayout::rank_send_counts_offset + 4 * int64_t{dest}),
+                        per_rank[dest]);
+  }
+}
+
 // CTA 0. `totals`: the totals in this CTA's shared memory; `scratch_totals`: the scratch's totals
 // row (hybrid only: the scale-out messages read it). `while_waiting` runs once this rank's counts
 // are sent, before it waits for its peers'. Returns false on a timeout (recorded; the host sees it).
@@ -616,8 +630,9 @@ __device__ bool exchange_counts(const NotifyArgs& args, const int32_t* totals, c
         WorkspaceLayout::expert_counts_offset + 4 * (int64_t{view.rank} * num_local + expert % num_local);
     ptx::st_relaxed_sys(view.peer<int32_t>(dest, cell), totals[expert] + 1);
   }
+  if (!call.hybrid()) store_rank_send_counts(view, totals + num_experts);
   // No fence of our own: each release store below is cumulative over the CTA's expert-count
-  // stores, which the __syncthreads orders before it.
+  // stores (and the send-count row), which the __syncthreads orders before it.
   __syncthreads();
   for (int dest = first_dest + threadIdx.x; dest < first_dest + num_dests; dest += blockDim.x) {
     ptx::st_release_sys(view.peer<int32_t>(dest, WorkspaceLayout::rank_counts_offset + 4 * int64_t{view.rank}),
@@ -729,6 +744,36 @@ __device__ void write_counts(const NotifyArgs& args, const int32_t* recv_per_sou
   if (threadIdx.x == 0) ptx::st_release_sys(mapped + kMappedReady, 1);
 }
 
+// Sources whose send counts one thread has in flight while it builds a column of the matrix.
+constexpr int kMatrixLoadsInFlight = 16;
+
+// Direct mode, CTA 0, after a successful count exchange (off the host's path: the mapped counters
+// are released already): V1's rank prefix matrix, [s][d] = tokens ranks 0..s send to rank d, from
+// every source's send-count row in its window. Each source stored its row before releasing the rank
+// cell some thread of this CTA acquired before exchange_counts' __syncthreads, so relaxed loads see
+// it. A thread per destination column: a warp's loads of one source's row coalesce.
+__device__ void write_rank_prefix_matrix(const NotifyArgs& args) {
+  const DeviceView& view = args.view;
+  const int num_ranks = view.num_ranks;
+  for (int dest = threadIdx.x; dest < num_ranks; dest += blockDim.x) {
+    const int64_t cell = WorkspaceLayout::rank_send_counts_offset + 4 * int64_t{dest};
+    int32_t running = 0;
+    for (int first = 0; first < num_ranks; first += kMatrixLoadsInFlight) {
+      int32_t sent[kMatrixLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kMatrixLoadsInFlight; ++u) {
+        sent[u] = first + u < num_ranks ? ptx::ld_relaxed_sys(view.peer<int32_t>(first + u, cell)) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kMatrixLoadsInFlight; ++u) {
+        if (first + u >= num_ranks) break;
+        running += sent[u];
+        args.rank_prefix_matrix[int64_t{first + u} * num_ranks + dest] = running;
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyArgs args) {
   extern __shared__ int32_t smem[];
   const int num_experts = args.call.num_experts;
@@ -768,6 +813,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const NotifyA
       if (args.send_base != nullptr) clock_phase(args.view, ClockedKernel::kHtNotify, 5);
       write_counts(args, recv_per_source, per_source_expert);
       clock_phase(args.view, ClockedKernel::kHtNotify, 6);
+      if (args.rank_prefix_matrix != nullptr) write_rank_prefix_matrix(args);
     }
     return;
   }
@@ -798,6 +844,8 @@ void launch_notify(const NotifyArgs& args, cudaStream_t stream) {
   check_hybrid_routing(args.call, args.hybrid, args.num_tokens);
   EP_REQUIRE(args.call.zero_copy_recv == (args.send_base != nullptr),
              "a notify for zero-copy receive needs send_base (and only such a notify takes one)");
+  EP_REQUIRE(!args.call.hybrid() || args.rank_prefix_matrix == nullptr,
+             "the rank prefix matrix is direct mode only (hybrid peers' windows are not load/store reachable)");
   const size_t smem = notify_smem_bytes(args.call);
   // Up to 48 KiB of dynamic shared memory needs no opt-in; the attribute call costs host time on
   // every launch, so it is made only for the large-E shapes that need it.

@@ -56,8 +56,8 @@ HtCall buffer_ht_call(const Runtime& runtime, int64_t num_max_tokens_per_rank, i
 void launch_ht_notify(Runtime& runtime, const HtCall& call, std::uintptr_t topk_idx, std::uintptr_t topk_idx_copy,
                       int num_tokens, int expert_alignment, bool do_expand, std::uintptr_t expert_slot,
                       std::uintptr_t dst_slot, std::uintptr_t scratch, std::uintptr_t counts, bool cpu_sync,
-                      std::uintptr_t send_base, std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream,
-                      bool input_failed) {
+                      std::uintptr_t send_base, std::uintptr_t rank_prefix_matrix, std::uintptr_t hybrid_block,
+                      int num_sms, std::uintptr_t stream, bool input_failed) {
   ht::NotifyArgs args;
   args.view = runtime.device_view();
   args.call = call;
@@ -72,6 +72,7 @@ void launch_ht_notify(Runtime& runtime, const HtCall& call, std::uintptr_t topk_
   args.counts = pointer<int32_t>(counts);
   args.mapped_counters = cpu_sync ? runtime.mapped_counters_device() : nullptr;
   args.send_base = pointer<int32_t>(send_base);
+  args.rank_prefix_matrix = pointer<int32_t>(rank_prefix_matrix);
   args.hybrid = hybrid_routing(call, hybrid_block, num_tokens);
   args.num_sms = num_sms;
   args.input_failed = input_failed;
@@ -126,16 +127,17 @@ void launch_ht_dispatch_epilogue(Runtime& runtime, const HtCall& call, bool do_e
 }
 
 void launch_ht_combine(Runtime& runtime, const HtCall& call, bool do_expand, std::uintptr_t x,
-                       std::uintptr_t topk_weights, std::uintptr_t counts, std::uintptr_t recv_src_info,
-                       std::uintptr_t recv_expanded_rows, int64_t num_meta_rows, int num_tokens,
-                       std::uintptr_t topk_idx, std::uintptr_t hybrid_block, int num_sms, std::uintptr_t stream,
-                       bool input_failed) {
+                       std::uintptr_t topk_weights, bool sum_topk_weights, std::uintptr_t counts,
+                       std::uintptr_t recv_src_info, std::uintptr_t recv_expanded_rows, int64_t num_meta_rows,
+                       int num_tokens, std::uintptr_t topk_idx, std::uintptr_t hybrid_block, int num_sms,
+                       std::uintptr_t stream, bool input_failed) {
   ht::CombineArgs args;
   args.view = runtime.device_view();
   args.call = call;
   args.do_expand = do_expand;
   args.x = pointer<const void>(x);
   args.topk_weights = pointer<const float>(topk_weights);
+  args.sum_topk_weights = sum_topk_weights;
   args.counts = pointer<const int32_t>(counts);
   args.recv_src_info = pointer<const int32_t>(recv_src_info);
   args.recv_expanded_rows = pointer<const int32_t>(recv_expanded_rows);
@@ -150,7 +152,8 @@ void launch_ht_combine(Runtime& runtime, const HtCall& call, bool do_expand, std
 
 void launch_ht_combine_reduce(Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx,
                               std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
-                              std::uintptr_t combined_topk_weights, int num_ctas, std::uintptr_t stream) {
+                              std::uintptr_t combined_topk_weights, bool sum_topk_weights, int num_ctas,
+                              std::uintptr_t stream) {
   ht::ReduceArgs args;
   args.view = runtime.device_view();
   args.call = call;
@@ -160,6 +163,7 @@ void launch_ht_combine_reduce(Runtime& runtime, const HtCall& call, int num_toke
   args.bias1 = pointer<const void>(bias1);
   args.combined_x = pointer<void>(combined_x);
   args.combined_topk_weights = pointer<float>(combined_topk_weights);
+  args.sum_topk_weights = sum_topk_weights;
   args.num_ctas = num_ctas;
   ht::launch_combine_reduce(args, as_stream(stream));
 }
@@ -167,7 +171,7 @@ void launch_ht_combine_reduce(Runtime& runtime, const HtCall& call, int num_toke
 void launch_ht_combine_pull(Runtime& runtime, const HtCall& call, int num_tokens, std::uintptr_t topk_idx,
                             std::uintptr_t dst_slot, std::uintptr_t send_base, std::uintptr_t bias0,
                             std::uintptr_t bias1, std::uintptr_t combined_x, std::uintptr_t combined_topk_weights,
-                            int num_sms, std::uintptr_t stream, bool input_failed) {
+                            bool sum_topk_weights, int num_sms, std::uintptr_t stream, bool input_failed) {
   ht::PullCombineArgs args;
   args.view = runtime.device_view();
   args.call = call;
@@ -179,6 +183,7 @@ void launch_ht_combine_pull(Runtime& runtime, const HtCall& call, int num_tokens
   args.bias1 = pointer<const void>(bias1);
   args.combined_x = pointer<void>(combined_x);
   args.combined_topk_weights = pointer<float>(combined_topk_weights);
+  args.sum_topk_weights = sum_topk_weights;
   args.num_sms = num_sms;
   args.input_failed = input_failed;
   ht::launch_pull_combine(args, as_stream(stream));

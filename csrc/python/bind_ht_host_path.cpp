@@ -51,8 +51,8 @@ py::object wrap(const std::optional<at::Tensor>& tensor) {
 
 // The notify's one int32 allocation, split into the handle's arrays: [routing as 2 x int32 per
 // entry] [expert_slot] [dst_slot] [counts fields, counts_layout order] [hybrid routing] [zero-copy
-// send base] [notify scratch]. One allocation: each costs host time on the uncached path, which the
-// GPU waits for.
+// send base] [rank prefix matrix, direct mode] [notify scratch]. One allocation: each costs host time on the uncached
+// path, which the GPU waits for.
 struct NotifyBlock {
   at::Tensor block;
   at::Tensor routing;      // int64 [T, K]
@@ -60,14 +60,19 @@ struct NotifyBlock {
   at::Tensor dst_slot;     // [T, K]
   at::Tensor counts;       // counts_layout(R, L).total
   at::Tensor recv_per_source, psum_per_source, expert_offsets, unaligned_per_expert, expert_start, psum_per_expert;
-  std::optional<at::Tensor> hybrid_routing;  // hybrid mode
-  std::optional<at::Tensor> send_base;       // zero-copy receive: [R]
+  std::optional<at::Tensor> hybrid_routing;      // hybrid mode
+  std::optional<at::Tensor> send_base;           // zero-copy receive: [R]
+  std::optional<at::Tensor> rank_prefix_matrix;  // direct mode: [R, R], V1's (ht_notify.cu)
   at::Tensor scratch;
+
+  static int64_t rank_prefix_matrix_ints(const HtCall& call) {
+    return call.hybrid() ? 0 : int64_t{call.num_ranks()} * call.num_ranks();
+  }
 
   static int64_t num_ints(const HtCall& call, int64_t num_tokens) {
     return 4 * num_tokens * call.num_topk + ht::counts_layout(call.num_ranks(), call.num_local_experts()).total +
            ht::hybrid_routing_ints(call, num_tokens) + (call.zero_copy_recv ? call.num_ranks() : 0) +
-           ht::notify_scratch_ints(call, num_tokens);
+           rank_prefix_matrix_ints(call) + ht::notify_scratch_ints(call, num_tokens);
   }
 
   NotifyBlock(at::Tensor allocation, const HtCall& call, int64_t num_tokens) : block(std::move(allocation)) {
@@ -92,6 +97,8 @@ struct NotifyBlock {
     offset += hybrid_ints;
     if (call.zero_copy_recv) send_base = ints_view(offset, {num_ranks});
     offset += call.zero_copy_recv ? num_ranks : 0;
+    if (!call.hybrid()) rank_prefix_matrix = ints_view(offset, {num_ranks, num_ranks});
+    offset += rank_prefix_matrix_ints(call);
     scratch = ints_view(offset, {ht::notify_scratch_ints(call, num_tokens)});
   }
 
@@ -99,7 +106,8 @@ struct NotifyBlock {
   py::tuple to_python() const {
     return py::make_tuple(wrap(routing), wrap(expert_slot), wrap(dst_slot), wrap(counts), wrap(recv_per_source),
                           wrap(psum_per_source), wrap(expert_offsets), wrap(unaligned_per_expert), wrap(expert_start),
-                          wrap(psum_per_expert), wrap(hybrid_routing), wrap(send_base), wrap(scratch));
+                          wrap(psum_per_expert), wrap(hybrid_routing), wrap(send_base), wrap(rank_prefix_matrix),
+                          wrap(scratch));
   }
 
  private:
@@ -229,7 +237,7 @@ class HtHostPath {
     const auto expert_alignment = handle.attr("expert_alignment").cast<int>();
     const auto num_recv_tokens = handle.attr("num_recv_tokens").cast<int64_t>();
     const int64_t num_rows = do_expand ? handle.attr("num_expanded_tokens").cast<int64_t>() : num_recv_tokens;
-    const at::Tensor routing = tensor_field(handle, "topk_idx");
+    const at::Tensor routing = tensor_field(handle, "routing");  // the sanitised copy (EPHandle.routing)
     const at::Tensor dst_slot = tensor_field(handle, "dst_buffer_slot_idx");
     const at::Tensor expert_slot = tensor_field(handle, "expert_slot_idx");
     const at::Tensor counts = tensor_field(handle, "counts");
@@ -258,10 +266,10 @@ class HtHostPath {
     return result;
   }
 
-  // combine(x, handle, topk_weights=..., num_sms=num_sms) with every other argument at its default:
-  // (combined_x, combined_topk_weights), or None for the Python path.
+  // combine(x, handle, topk_weights=..., num_sms=num_sms, sum_topk_weights=...) with every other
+  // argument at its default: (combined_x, combined_topk_weights), or None for the Python path.
   py::object combine(Runtime& runtime, py::handle x, py::handle topk_weights, py::handle handle, int num_sms,
-                     std::uintptr_t compute_stream) {
+                     bool sum_topk_weights, std::uintptr_t compute_stream) {
     profile_.begin(HostPathProfile::kCombine);
     const std::optional<at::Tensor> rows = as_tensor(x);
     const auto do_expand = handle.attr("do_expand").cast<bool>();
@@ -286,7 +294,7 @@ class HtHostPath {
     const at::Tensor counts = tensor_field(handle, "counts");
     const at::Tensor src_info = tensor_field(handle, "recv_src_info");
     const std::optional<at::Tensor> expanded_rows = optional_tensor_field(handle, "recv_expanded_row_idx");
-    const at::Tensor routing = tensor_field(handle, "topk_idx");
+    const at::Tensor routing = tensor_field(handle, "routing");  // the sanitised copy (EPHandle.routing)
     const std::optional<at::Tensor> hybrid_routing = optional_tensor_field(handle, "hybrid_routing");
 
     profile_.stamp("checks and handle fields");
@@ -298,12 +306,12 @@ class HtHostPath {
     ++num_calls_;
     runtime.join_streams(as_cuda_stream(comm_stream_), as_cuda_stream(compute_stream));
     profile_.stamp("join");
-    launch_ht_combine(runtime, *call, do_expand, address(*rows), address(weights), address(counts), address(src_info),
-                      address(expanded_rows), src_info.size(0), num_tokens, address(routing), address(hybrid_routing),
-                      *sms, comm_stream_, false);
+    launch_ht_combine(runtime, *call, do_expand, address(*rows), address(weights), sum_topk_weights, address(counts),
+                      address(src_info), address(expanded_rows), src_info.size(0), num_tokens, address(routing),
+                      address(hybrid_routing), *sms, comm_stream_, false);
     profile_.stamp("combine launch");
     launch_ht_combine_reduce(runtime, *call, num_tokens, address(routing), 0, 0, address(combined_x),
-                             address(combined_weights), max_num_sms_, comm_stream_);
+                             address(combined_weights), sum_topk_weights, max_num_sms_, comm_stream_);
     profile_.stamp("reduce launch");
     runtime.join_streams(as_cuda_stream(compute_stream), as_cuda_stream(comm_stream_));
     profile_.stamp("join back");
@@ -352,8 +360,8 @@ class HtHostPath {
     profile_.stamp("join");
     launch_ht_notify(runtime, *call, address(*routing), address(notify.routing), static_cast<int>(num_tokens),
                      expert_alignment, do_expand, address(notify.expert_slot), address(notify.dst_slot),
-                     address(notify.scratch), address(notify.counts), cpu_sync, 0, address(notify.hybrid_routing), *sms,
-                     comm_stream_, false);
+                     address(notify.scratch), address(notify.counts), cpu_sync, 0, address(notify.rank_prefix_matrix),
+                     address(notify.hybrid_routing), *sms, comm_stream_, false);
     profile_.stamp("notify launch");
     launch_ht_dispatch(runtime, *call, static_cast<int>(num_tokens), address(*data), address(scales),
                        address(notify.routing), address(weights), address(notify.dst_slot), address(notify.expert_slot),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from deep_ep.testing.reference_ht import last_lanes
+
 __all__ = [
     "Fanout",
     "dense_step",
@@ -74,46 +76,80 @@ def step_results(out, combined_weights, x, w, biases, gain_grad=None) -> dict:
     }
 
 
-def node_sum(contributions: list[torch.Tensor], node_size: int, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """Combine's order over ranks, continuing ``acc`` (fp32; zeros when None): direct (one node)
-    adds each rank's contribution in ascending order; hybrid adds, node by node, the node's partial
-    (its ranks' contributions summed in fp32 from 0.0, rounded to bf16)."""
+def node_sum(
+    contributions: list[torch.Tensor], lane_rank: torch.Tensor, node_size: int, acc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Combine's order over ranks (DeepEP V2's), continuing ``acc`` (fp32; zeros when None).
+    ``contributions[r]``: rank ``r``'s fp32 ``[T, H]`` term; ``lane_rank``: ``[T, K]``, the rank of
+    each top-k lane's expert (-1: none). Direct (one node) adds each of a token's ranks in ascending
+    order of the rank's last lane; hybrid adds, in ascending order of each node's last lane, the
+    node's partial (its ranks' contributions summed the same way in fp32 from 0.0, rounded to bf16)."""
     acc = torch.zeros_like(contributions[0]) if acc is None else acc
     num_ranks = len(contributions)
     if node_size == num_ranks:
-        for contribution in contributions:
-            acc = acc + contribution
-        return acc
-    for first in range(0, num_ranks, node_size):
-        node = torch.zeros_like(acc)
-        for contribution in contributions[first : first + node_size]:
-            node = node + contribution
-        acc = acc + node.to(torch.bfloat16).float()
+        return _add_by_last_lane(acc, contributions, lane_rank)
+    lane_node = torch.where(lane_rank >= 0, lane_rank // node_size, -1)
+    partials = []
+    for node in range(num_ranks // node_size):
+        on_node = torch.where(lane_node == node, lane_rank, -1)
+        partial = _add_by_last_lane(torch.zeros_like(acc), contributions, on_node)
+        partials.append(partial.to(torch.bfloat16).float())
+    return _add_by_last_lane(acc, partials, lane_node)
+
+
+def _add_by_last_lane(acc: torch.Tensor, terms: list[torch.Tensor], lane_owner: torch.Tensor) -> torch.Tensor:
+    """``acc`` plus, per token, ``terms[o]`` of every owner ``o`` in ``lane_owner`` (``[T, K]``, -1:
+    none) in ascending order of its last lane. Tokens an owner does not cover add +0.0, which leaves
+    an accumulator started at +0.0 bit for bit as it is (and passes no gradient)."""
+    last = last_lanes(lane_owner)
+    for lane in range(lane_owner.shape[1]):
+        for owner, term in enumerate(terms):
+            here = (last[:, lane] & (lane_owner[:, lane] == owner)).unsqueeze(1)
+            acc = acc + torch.where(here, term, 0.0)
     return acc
+
+
+def _lane_order_sum(rows: list[torch.Tensor], lane_local: torch.Tensor) -> torch.Tensor:
+    """A rank's expand partial: ``rows[l]`` (fp32 ``[T, H]``, local expert ``l``'s output) summed
+    from 0.0 in top-k lane order (``lane_local``: ``[T, K]`` local expert of each lane on this rank,
+    -1 elsewhere), rounded to bf16 (returned as fp32)."""
+    partial = torch.zeros_like(rows[0])
+    for lane in range(lane_local.shape[1]):
+        for local, row in enumerate(rows):
+            partial = partial + torch.where((lane_local[:, lane] == local).unsqueeze(1), row, 0.0)
+    return partial.to(torch.bfloat16).float()
 
 
 class Fanout(torch.autograd.Function):
     """The dense reference's dispatch: one copy of ``x`` per (rank, group); backward sums the
-    copies' gradients as combine does (per rank in fp32 over its groups, rounded to bf16; then over
-    ranks ascending in fp32, hybrid: per node first, rounded to bf16 once)."""
+    copies' gradients as combine does (expand: per rank over its groups, the local experts, in
+    top-k lane order in fp32, rounded to bf16; then over ranks in DeepEP V2's order, ``node_sum``).
+    ``routing``: the sanitised ``[T, K]`` expert ids, ``num_local`` experts per rank."""
 
     @staticmethod
-    def forward(ctx, x, num_ranks, groups_per_rank, node_size):
-        ctx.num_ranks, ctx.groups, ctx.node_size = num_ranks, groups_per_rank, node_size
+    def forward(ctx, x, routing, num_ranks, num_local, groups_per_rank, node_size):
+        ctx.save_for_backward(routing)
+        ctx.num_ranks, ctx.num_local, ctx.groups, ctx.node_size = num_ranks, num_local, groups_per_rank, node_size
         return tuple(x.clone() for _ in range(num_ranks * groups_per_rank))
 
     @staticmethod
     def backward(ctx, *grads):
+        (routing,) = ctx.saved_tensors
         like = next(g for g in grads if g is not None)
+        lane_rank = torch.where(routing >= 0, routing // ctx.num_local, -1)
         per_rank = []
         for rank in range(ctx.num_ranks):
-            partial = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-            for group in range(ctx.groups):
-                grad = grads[rank * ctx.groups + group]
-                if grad is not None:
-                    partial = partial + grad.float()
-            per_rank.append(partial.to(torch.bfloat16).float())
-        return node_sum(per_rank, ctx.node_size).to(torch.bfloat16), None, None, None
+            group_grads = [
+                torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad.float()
+                for grad in grads[rank * ctx.groups : (rank + 1) * ctx.groups]
+            ]
+            if ctx.groups == 1:  # the rank's one row travels as it is
+                per_rank.append((torch.zeros_like(group_grads[0]) + group_grads[0]).to(torch.bfloat16).float())
+            else:
+                lane_local = torch.where(lane_rank == rank, routing - rank * ctx.num_local, -1)
+                per_rank.append(_lane_order_sum(group_grads, lane_local))
+        summed = node_sum(per_rank, lane_rank, ctx.node_size).to(torch.bfloat16)
+        return summed, None, None, None, None, None
 
 
 def dense_step(
@@ -134,18 +170,19 @@ def dense_step(
     the routed slots, 0 elsewhere."""
     num_ranks = len(gains)
     groups = num_local if do_expand else 1
-    copies = Fanout.apply(x, num_ranks, groups, node_size)
+    copies = Fanout.apply(x, routing, num_ranks, num_local, groups, node_size)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for term in bias:
         acc = acc + term.float()
+    lane_rank = torch.where(routing >= 0, routing // num_local, -1)
     contributions = []
     for rank in range(num_ranks):
-        local = torch.where((routing >= 0) & (routing // num_local == rank), routing % num_local, -1)
+        local = torch.where(lane_rank == rank, routing % num_local, -1)
         present = (local >= 0).any(dim=1)
         if not do_expand:
             contribution = expert_rows(copies[rank], local, w, rank, num_local, gains[rank]).float()
         else:
-            partial = torch.zeros_like(acc)
+            rows = []
             for expert in range(num_local):
                 match = local == expert
                 has = match.any(dim=1)
@@ -155,9 +192,9 @@ def dense_step(
                 y = expert_rows_expanded(
                     copies[rank * groups + expert], row_local, pair_weights, rank, num_local, gains[rank]
                 )
-                partial = partial + torch.where(has.unsqueeze(1), y.float(), 0.0)
-            contribution = partial.to(torch.bfloat16).float()
+                rows.append(y.float())
+            contribution = _lane_order_sum(rows, local)
         contributions.append(torch.where(present.unsqueeze(1), contribution, 0.0))
-    out = node_sum(contributions, node_size, acc).to(torch.bfloat16)
+    out = node_sum(contributions, lane_rank, node_size, acc).to(torch.bfloat16)
     combined_weights = torch.where(routing >= 0, w * 2, 0.0) if combine_weights else None
     return out, combined_weights

@@ -8,6 +8,8 @@ taken through ``sanitize_topk_idx``: an id outside ``[-1, E)`` or repeated withi
 its first slot) is -1 everywhere below, as in the library.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from deep_ep.testing.reference_inputs import (
@@ -22,7 +24,14 @@ from deep_ep.testing.reference_inputs import (
     sanitize_topk_idx,
 )
 
-__all__ = ["ht_dispatch", "ht_combine", "ht_src_info", "ht_expanded_row_idx", "v2_recv_src_metadata"]
+__all__ = [
+    "ht_dispatch",
+    "ht_combine",
+    "ht_src_info",
+    "ht_expanded_row_idx",
+    "last_lanes",
+    "v2_recv_src_metadata",
+]
 
 BiasInput = torch.Tensor | tuple[torch.Tensor | None, ...] | list[torch.Tensor | None] | None
 
@@ -266,22 +275,32 @@ def ht_combine(
 ) -> list[dict]:
     """What combine returns on every source rank: ``{"x": bf16 [T, H], "topk_weights": fp32 [T, K] or None}``.
 
+    The order is DeepEP V2's reference combine (``deep_ep/utils/refs.py``: ``combine`` with
+    ``reduce_in_local``, plus ``reduce_in_scaleup`` in hybrid mode, then ``ordered_accumulate``),
+    on the sanitised routing. Lane ``k`` of a token is its top-k slot ``k``; an owner's *last lane*
+    is the highest lane whose expert it holds (a rank ``e // L``, or a node ``e // (L * S)``).
+
     ``ys[d]`` holds one bf16 row per row of ``dispatch_results[d]`` (expand padding is ignored).
     The contribution ``c_d`` of destination rank ``d`` to a token is the received row
     (non-expand) or, in expand mode, the fp32 sum (from 0.0) of the token's rows at that rank
-    in ascending local-expert order, rounded to bf16 because that partial travels as bf16.
+    in lane order, rounded to bf16 because that partial travels as bf16.
 
     Direct order (``num_ranks_per_node`` None or R), per token, in fp32 starting at 0.0: add
     ``bias0``, then ``bias1``, then ``c_d`` of each of the token's destination ranks in ascending
-    order, then round to bf16 once (nearest even).
+    order of ``d``'s last lane, then round to bf16 once (nearest even).
 
     Hybrid order (``num_ranks_per_node = S < R``; rank ``d`` is on node ``d // S``), per token:
     the partial of node ``n`` is ``P_n = bf16(((0.0 + c_d0) + c_d1) + ...)`` over the token's
-    destination ranks on ``n`` in ascending order (fp32, rounded once: the partial travels back
-    over scale-out as bf16), defined only for nodes holding one of the token's experts; then,
-    in fp32 from 0.0: ``bias0``, ``bias1``, ``P_n`` for each such node in ascending order, and
-    one rounding to bf16. With S = 1 every partial is its rank's ``c_d``, so the result equals
-    the direct order's.
+    destination ranks on ``n`` in ascending order of their last lanes (fp32, rounded once: the
+    partial travels back over scale-out as bf16), defined only for nodes holding one of the token's
+    experts; then, in fp32 from 0.0: ``bias0``, ``bias1``, ``P_n`` for each such node in ascending
+    order of ``n``'s last lane, and one rounding to bf16. With S = 1 every partial is its rank's
+    ``c_d``, so the result equals the direct order's.
+
+    V2 starts from ``bias0 + bias1`` rather than 0.0 and adds zero lanes too: the same bits (only
+    the sign of a zero sum could differ, and neither form ends in -0.0). A repeated expert id is -1
+    after sanitising, so its lane is no lane of its rank (V2's reference would add such a lane's
+    output twice; the library counts it once and reports the id).
 
     Combined weights (both orders): slot ``k`` is read from the rank owning expert
     ``topk_idx[t, k]`` (0.0 where it is -1, which includes a repeated or out-of-range id: the
@@ -305,20 +324,80 @@ def ht_combine(
             acc = acc + bias.float()
         for dest in range(num_ranks):
             _check_lookup_matches_routing(row_of[dest], topk_idx, source, dest, num_local, do_expand)
-        if node_size == num_ranks:
-            for dest in range(num_ranks):
-                present, contribution = _contribution(ys[dest], row_of[dest], do_expand)
-                acc[present] = acc[present] + contribution
-        else:
-            for first in range(0, num_ranks, node_size):  # nodes in ascending order
-                node = slice(first, first + node_size)
-                present, partial = _node_partial(ys[node], row_of[node], do_expand)
-                acc[present] = acc[present] + partial
+        acc = _add_terms_in_v2_order(acc, ys, row_of, topk_idx, num_local, node_size, do_expand)
         weights = None
         if weights_list is not None:
             weights = _combined_weights(weights_list, row_of, topk_idx, num_local, do_expand)
         results.append({"x": acc.to(torch.bfloat16), "topk_weights": weights})
     return results
+
+
+def _add_terms_in_v2_order(
+    acc: torch.Tensor,
+    ys: list[torch.Tensor],
+    row_of: list[torch.Tensor],
+    topk_idx: torch.Tensor,
+    num_local: int,
+    node_size: int,
+    do_expand: bool,
+) -> torch.Tensor:
+    """``acc`` plus one source's terms in DeepEP V2's order: its destination ranks' contributions
+    (direct), or its node partials (hybrid), each in ascending order of the owner's last lane."""
+    lane_rank = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+
+    def rank_term(dest: int, tokens: torch.Tensor) -> torch.Tensor:
+        return _contribution(ys[dest], row_of[dest], topk_idx, dest, num_local, tokens, do_expand)
+
+    if node_size == len(ys):
+        return _add_in_lane_order(acc, lane_rank, rank_term)
+    lane_node = torch.where(lane_rank >= 0, lane_rank // node_size, -1)
+
+    def node_term(node: int, tokens: torch.Tensor) -> torch.Tensor:
+        return _node_partial(node, tokens, lane_rank, lane_node, rank_term, acc.shape[1])
+
+    return _add_in_lane_order(acc, lane_node, node_term)
+
+
+def last_lanes(lane_owner: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, K]``: lane ``k`` holds an owner (>= 0) that no later lane of its token holds."""
+    last = lane_owner >= 0
+    for lane in range(lane_owner.shape[1] - 1):
+        later = lane_owner[:, lane + 1 :] == lane_owner[:, lane : lane + 1]
+        last[:, lane] &= ~later.any(dim=1)
+    return last
+
+
+def _add_in_lane_order(
+    acc: torch.Tensor, lane_owner: torch.Tensor, term: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``acc`` (fp32, a row per token) plus, token by token, the term of each distinct owner in
+    ``lane_owner`` (``[T, K]``, -1: none) in ascending order of the owner's last lane: DeepEP V2
+    leaves an owner's partial on that lane and sums the lanes in order. ``term(owner, tokens)`` is
+    that owner's fp32 term for those tokens (indices into ``acc``'s rows)."""
+    last = last_lanes(lane_owner)
+    for lane in range(lane_owner.shape[1]):
+        owners = lane_owner[:, lane]
+        for owner in owners[last[:, lane]].unique().tolist():
+            tokens = (last[:, lane] & (owners == owner)).nonzero().squeeze(1)
+            acc[tokens] = acc[tokens] + term(owner, tokens)
+    return acc
+
+
+def _node_partial(
+    node: int,
+    tokens: torch.Tensor,
+    lane_rank: torch.Tensor,
+    lane_node: torch.Tensor,
+    rank_term: Callable[[int, torch.Tensor], torch.Tensor],
+    hidden: int,
+) -> torch.Tensor:
+    """The node partial of ``tokens`` (each with an expert on ``node``): the fp32 sum from 0.0 of
+    the node's rank contributions in ascending order of each rank's last lane, rounded to bf16 once
+    (returned as fp32)."""
+    on_node = torch.where(lane_node[tokens] == node, lane_rank[tokens], -1)
+    partial = torch.zeros(tokens.numel(), hidden, dtype=torch.float32, device=lane_rank.device)
+    partial = _add_in_lane_order(partial, on_node, lambda dest, picked: rank_term(dest, tokens[picked]))
+    return partial.to(torch.bfloat16).float()
 
 
 def _check_num_ranks_per_node(num_ranks_per_node: int | None, num_ranks: int) -> int:
@@ -399,32 +478,26 @@ def _check_lookup_matches_routing(
         raise ValueError(f"dispatch_results[{dest}] does not hold the tokens topk_idxs[{source}] routes to rank {dest}")
 
 
-def _contribution(y: torch.Tensor, row_of: torch.Tensor, do_expand: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens present at this rank, their fp32 contribution)``."""
+def _contribution(
+    y: torch.Tensor,
+    row_of: torch.Tensor,
+    topk_idx: torch.Tensor,
+    dest: int,
+    num_local: int,
+    tokens: torch.Tensor,
+    do_expand: bool,
+) -> torch.Tensor:
+    """fp32 ``c_dest`` of ``tokens`` (each routed to ``dest``): the received row, or in expand mode
+    the fp32 sum from 0.0 of the token's rows at ``dest`` in lane order, rounded to bf16."""
     if not do_expand:
-        present = row_of >= 0
-        return present, y[row_of[present]].float()
-    present = (row_of >= 0).any(dim=1)
-    partial = torch.zeros(row_of.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-    for local in range(row_of.shape[1]):
-        has = row_of[:, local] >= 0
-        partial[has] = partial[has] + y[row_of[has, local]].float()
-    return present, partial[present].to(torch.bfloat16).float()
-
-
-def _node_partial(
-    ys: list[torch.Tensor], row_of: list[torch.Tensor], do_expand: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens with an expert on this node, their node partial)``: the fp32 sum from 0.0 of the
-    node's rank contributions in ascending rank order, rounded to bf16 once (returned as fp32)."""
-    num_tokens, hidden = row_of[0].shape[0], ys[0].shape[1]
-    on_node = torch.zeros(num_tokens, dtype=torch.bool, device=ys[0].device)
-    partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=ys[0].device)
-    for y, rows in zip(ys, row_of, strict=True):
-        present, contribution = _contribution(y, rows, do_expand)
-        partial[present] = partial[present] + contribution
-        on_node |= present
-    return on_node, partial[on_node].to(torch.bfloat16).float()
+        return y[row_of[tokens]].float()
+    local_ids = local_expert_ids(topk_idx[tokens], dest, num_local)
+    partial = torch.zeros(tokens.numel(), y.shape[1], dtype=torch.float32, device=y.device)
+    for lane in range(local_ids.shape[1]):
+        has = (local_ids[:, lane] >= 0).nonzero().squeeze(1)
+        rows = row_of[tokens[has], local_ids[has, lane]]
+        partial[has] = partial[has] + y[rows].float()
+    return partial.to(torch.bfloat16).float()
 
 
 def _combined_weights(

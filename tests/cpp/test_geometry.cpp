@@ -239,6 +239,9 @@ TEST(Workspace, ZeroInvariantRangeCoversCountersNotEpochs) {
   // The zero-copy send-base cells are cleared on read: inside the zero invariant.
   EXPECT_GE(WorkspaceLayout::send_base_offset, WorkspaceLayout::zero_invariant_begin);
   EXPECT_LE(WorkspaceLayout::send_base_offset + int64_t{kMaxRanks} * 4, WorkspaceLayout::zero_invariant_end);
+  // The notify's send-count row is overwritten, never cleared: outside it, and inside the workspace.
+  EXPECT_GE(WorkspaceLayout::rank_send_counts_offset, WorkspaceLayout::zero_invariant_end);
+  EXPECT_LE(WorkspaceLayout::rank_send_counts_offset + int64_t{kMaxRanks} * 4, WorkspaceLayout::used_bytes);
   EXPECT_LT(WorkspaceLayout::barrier_epoch_offset + 8, WorkspaceLayout::bytes + 1);
   EXPECT_EQ(WorkspaceLayout::bytes % kWindowAlignBytes, 0);
 }

@@ -21,7 +21,7 @@ def _handle(do_expand: bool) -> EPHandle:
         num_recv_tokens=5,
         num_expanded_tokens=6,
         num_recv_tokens_per_expert_list=[2, 4, 0, 0],
-        psum_num_recv_tokens_per_scaleup_rank=counts[2:4],
+        psum_num_recv_tokens_per_source=counts[2:4],
         psum_num_recv_tokens_per_expert=counts[16:20],
         num_unaligned_recv_tokens_per_expert=counts[8:12],
         recv_src_info=torch.zeros(5, 4, dtype=torch.int32),

@@ -26,7 +26,7 @@ class _RecordingHostPath:
         self.calls.append("cached_dispatch")
         return self.answer
 
-    def combine(self, runtime, x, topk_weights, handle, num_sms, stream):
+    def combine(self, runtime, x, topk_weights, handle, num_sms, sum_topk_weights, stream):
         self.calls.append("combine")
         return self.answer
 
@@ -173,9 +173,11 @@ class _Call:
 
 
 def _notify_block(num_tokens: int, num_topk: int) -> tuple:
-    """NotifyBlock.to_python's arrays (routing, slots, counts fields, hybrid, send base, scratch)."""
+    """NotifyBlock.to_python's arrays (routing, slots, counts fields, hybrid, send base, rank prefix
+    matrix, scratch)."""
     ints = torch.zeros(4, dtype=torch.int32)
-    return (torch.zeros(num_tokens, num_topk, dtype=torch.int64), *([ints] * 9), None, None, ints)
+    matrix = torch.zeros(2, 2, dtype=torch.int32)
+    return (torch.zeros(num_tokens, num_topk, dtype=torch.int64), *([ints] * 9), None, None, matrix, ints)
 
 
 class _UncachedHostPath(_RecordingHostPath):
@@ -229,6 +231,7 @@ def test_an_uncached_dispatch_on_the_host_path_returns_its_outputs_and_a_handle_
     assert host_path.finish_arguments == (False, 1, False, True)
     assert recv_x == (outputs[0], outputs[1]) and recv_topk_idx is outputs[2] and recv_weights is None
     assert handle.num_recv_tokens == 5 and handle.owner_id == buffer._serial and handle.num_sms == 4
+    assert handle.rank_prefix_matrix.shape == (2, 2)  # the notify block's, filled by the notify kernel
     assert buffer._runtime.joins == 0
 
 

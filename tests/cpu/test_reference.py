@@ -12,6 +12,13 @@ import torch
 
 from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
 from deep_ep.testing.reference_ht import ht_expanded_row_idx, ht_src_info, v2_recv_src_metadata
+from deep_ep.testing.reference_v2 import (
+    combine_inputs_from_lanes,
+    lanes_by_rank,
+    make_lane_outputs,
+    v2_combine,
+    v2_lane_partials,
+)
 
 NUM_EXPERTS = 4
 HIDDEN = 128
@@ -150,6 +157,21 @@ def test_combine_rounds_to_bf16_once_after_summing_in_fp32():
     assert rank0["x"][0, 0].item() == 1 + 2.0**-7
 
 
+def test_combine_adds_ranks_in_order_of_their_last_lane():
+    # DeepEP V2's order. R=3, E=6 (L=2), K=4: rank 0's token picks experts [3, 0, 4, 2], on ranks
+    # [1, 0, 2, 1]: last lanes r0 -> 1, r2 -> 2, r1 -> 3. With c0 = 2^24, c1 = 1, c2 = -2^24:
+    # (2^24 - 2^24) + 1 = 1. Ascending ranks (2^24 + 1 = 2^24, a tie to even, then - 2^24) and first
+    # lanes (r1, r0, r2: 1 + 2^24 = 2^24, then - 2^24) both give 0.
+    topk_idxs = [torch.tensor([[3, 0, 4, 2]])] + [torch.zeros(0, 4, dtype=torch.int64)] * 2
+    results = ht_dispatch([rows(1), rows(hidden=HIDDEN), rows(hidden=HIDDEN)], topk_idxs, None, 6)
+    ys = [rows(2.0**24), rows(1), rows(-(2.0**24))]
+    rank0 = ht_combine(results, ys, topk_idxs, 6)[0]
+    assert torch.equal(rank0["x"], rows(1))
+    # The biases still come first: 0.5 + 2^24 = 2^24 (0.5 lost), - 2^24, + 1.
+    biased = ht_combine(results, ys, topk_idxs, 6, biases=[rows(0.5), None, None])[0]
+    assert torch.equal(biased["x"], rows(1))
+
+
 def test_combine_gathers_weights_from_the_rank_owning_each_expert():
     results = dispatch()
     ys = [r["x"] for r in results]
@@ -186,6 +208,18 @@ def test_expand_combine_rounds_each_rank_partial_to_bf16():
     biases = [rows(0, 2.0**-9, 0), None]
     rank0, _ = ht_combine(results, ys, TOPK_IDXS, NUM_EXPERTS, biases=biases, do_expand=True)
     assert rank0["x"][1, 0].item() == 1.0
+
+
+def test_expand_combine_sums_a_ranks_rows_in_lane_order():
+    # R=2, E=8 (L=4), K=4: rank 0's token picks experts [2, 0, 5, 1]. Rank 0's expanded rows, in row
+    # (= local expert) order: l0 = 2^24 (lane 1), l1 = 1 (lane 3), l2 = -2^24 (lane 0). Lane order:
+    # (-2^24 + 2^24) + 1 = 1; row order: 2^24 + 1 = 2^24 (tie, even), then 0. Rank 1 adds 0.
+    topk_idxs = [torch.tensor([[2, 0, 5, 1]]), torch.zeros(0, 4, dtype=torch.int64)]
+    results = ht_dispatch([rows(1), rows(hidden=HIDDEN)], topk_idxs, None, 8, do_expand=True)
+    assert [r["local_expert"].tolist() for r in results] == [[0, 1, 2], [1]]
+    ys = [rows(2.0**24, 1, -(2.0**24)), rows(0)]
+    rank0 = ht_combine(results, ys, topk_idxs, 8, do_expand=True)[0]
+    assert torch.equal(rank0["x"], rows(1))
 
 
 def test_dispatch_rejects_topk_idx_that_is_not_int64_t_by_k():
@@ -343,10 +377,10 @@ def test_combine_rejects_mismatched_inputs():
         ht_combine(results, [rows(1, 2, 3), rows(1, 2, 3)], TOPK_IDXS[::-1], NUM_EXPERTS)
 
 
-# Hybrid combine order (num_ranks_per_node = S < R): per token, each node's destination ranks are
-# summed in fp32 (ascending rank) and rounded to bf16 once, then biases and node partials (ascending
-# node) are summed in fp32 and rounded once. R=4, E=4 (L=1, expert e on rank e), K=3, S=2:
-# nodes {0, 1} and {2, 3}.
+# Hybrid combine order (num_ranks_per_node = S < R), DeepEP V2's: per token, each node's destination
+# ranks are summed in fp32 in order of their last top-k lane and rounded to bf16 once, then biases and
+# node partials (in order of each node's last lane) are summed in fp32 and rounded once. R=4, E=4
+# (L=1, expert e on rank e), K=3, S=2: nodes {0, 1} and {2, 3}.
 #   rank 0: token 0 → [2, 0, 1] (ranks 0, 1 on node 0; rank 2 on node 1), token 1 → [3, -1, -1]
 #           (node 1 only), token 2 → [-1, -1, -1] (nowhere)
 #   ranks 1, 2: no tokens; rank 3: token 0 → [0, 3, 1] (ranks 0, 1 on node 0; rank 3 on node 1)
@@ -400,28 +434,30 @@ def test_hybrid_combine_adds_biases_first_then_node_partials():
     assert torch.equal(hybrid[3]["x"], rows(0.5)) and torch.equal(direct[3]["x"], rows(1.5))
 
 
-def test_hybrid_combine_visits_nodes_in_ascending_order():
-    # R=6, E=6, S=2: rank 0's token picks experts [5, 1, 2] (slot order is not the node order):
-    # node 0: c1 = 2^24, node 1: c2 = 1, node 2: c5 = -2^24. Ascending nodes: 2^24 + 1 = 2^24
-    # (tie, even), then 0. Slot order (-2^24 + 2^24 + 1) or descending nodes would give 1.
-    topk_idxs = [torch.tensor([[5, 1, 2]])] + [torch.zeros(0, 3, dtype=torch.int64)] * 5
+def test_hybrid_combine_visits_nodes_in_order_of_their_last_lane():
+    # R=6, E=6, S=2: rank 0's token picks experts [1, 5, 2, 0]: node 0 (ranks 1, 0) has lanes 0 and 3,
+    # node 2 (rank 5) lane 1, node 1 (rank 2) lane 2. Partials: P0 = bf16(c1 + c0) = -2^24, P1 = c2 = 1,
+    # P2 = c5 = 2^24. Last lanes give n2, n1, n0: 2^24 + 1 = 2^24 (tie, even), then 0. Ascending
+    # nodes (-2^24 + 1, exact, + 2^24) or first lanes (n0, n2, n1) would give 1.
+    topk_idxs = [torch.tensor([[1, 5, 2, 0]])] + [torch.zeros(0, 4, dtype=torch.int64)] * 5
     xs = [rows(1)] + [rows(hidden=HIDDEN)] * 5
     results = ht_dispatch(xs, topk_idxs, None, 6)
-    ys = [rows(hidden=HIDDEN), rows(2.0**24), rows(1), rows(hidden=HIDDEN), rows(hidden=HIDDEN), rows(-(2.0**24))]
+    ys = [rows(0), rows(-(2.0**24)), rows(1), rows(hidden=HIDDEN), rows(hidden=HIDDEN), rows(2.0**24)]
     hybrid = ht_combine(results, ys, topk_idxs, 6, num_ranks_per_node=2)
     assert torch.equal(hybrid[0]["x"], rows(0))
 
 
-def test_hybrid_combine_sums_the_ranks_of_a_node_in_ascending_order():
-    # R=6, E=6, S=3: rank 0's token picks experts [2, 4, 0, 1]: node 0 holds c0 = 2^24, c1 = 1,
-    # c2 = -2^24; node 1 holds c4 = 3. Ascending ranks: 2^24 + 1 = 2^24 (tie, even), then P0 = 0,
-    # out = 3. Slot order (-2^24, 2^24, 1) or descending ranks would give P0 = 1 and out = 4.
+def test_hybrid_combine_sums_the_ranks_of_a_node_in_order_of_their_last_lane():
+    # R=6, E=6, S=3: rank 0's token picks experts [2, 4, 0, 1]: node 0 holds c2 = -2^24 (lane 0),
+    # c0 = 2^24 (lane 2), c1 = 1 (lane 3); node 1 holds c4 = 3 (lane 1). Last lanes: P0 = bf16((-2^24 +
+    # 2^24) + 1) = 1, then nodes n1 (lane 1), n0 (lane 3): 3 + 1 = 4. Ascending ranks would give
+    # 2^24 + 1 = 2^24 (tie, even), P0 = 0 and out = 3.
     topk_idxs = [torch.tensor([[2, 4, 0, 1]])] + [torch.zeros(0, 4, dtype=torch.int64)] * 5
     xs = [rows(1)] + [rows(hidden=HIDDEN)] * 5
     results = ht_dispatch(xs, topk_idxs, None, 6)
     ys = [rows(2.0**24), rows(1), rows(-(2.0**24)), rows(hidden=HIDDEN), rows(3), rows(hidden=HIDDEN)]
     hybrid = ht_combine(results, ys, topk_idxs, 6, num_ranks_per_node=3)
-    assert torch.equal(hybrid[0]["x"], rows(3))
+    assert torch.equal(hybrid[0]["x"], rows(4))
 
 
 def test_hybrid_expand_combine_rounds_rank_partials_then_node_partials():
@@ -461,70 +497,93 @@ def test_hybrid_combine_with_one_node_or_one_rank_per_node_equals_direct():
     assert not torch.equal(two[0]["x"], direct[0]["x"])
 
 
-def _random_group(num_ranks: int, num_experts: int, num_topk: int, num_tokens: int, do_expand: bool, seed: int):
+def _random_lane_group(num_ranks: int, num_experts: int, num_topk: int, num_tokens: int, do_expand: bool, seed: int):
+    """Routing with distinct experts per token in random lane order (some lanes -1), an output per
+    (token, lane), and every rank's combine input built from those outputs as V2's test builds it."""
     generator = torch.Generator().manual_seed(seed)
-    topk_idxs = []
+    topk_idxs, lanes = [], []
     for _ in range(num_ranks):
         idx = torch.rand(num_tokens, num_experts, generator=generator).topk(num_topk, dim=1).indices
         idx[torch.rand(num_tokens, num_topk, generator=generator) < 0.2] = -1
         topk_idxs.append(idx)
+        lanes.append(make_lane_outputs(idx, HIDDEN, generator))
     xs = [rows(*range(num_tokens)) for _ in range(num_ranks)]
     weights = [torch.rand(num_tokens, num_topk, generator=generator) for _ in range(num_ranks)]
     results = ht_dispatch(xs, topk_idxs, weights, num_experts, do_expand=do_expand, expert_alignment=2)
-
-    def wide(shape) -> torch.Tensor:
-        # Magnitudes over 2^-12 .. 2^12, so fp32 and bf16 rounding both bite.
-        scale = torch.pow(2.0, torch.randint(-12, 13, shape, generator=generator).float())
-        return (torch.randn(shape, generator=generator) * scale).bfloat16()
-
-    ys = [wide((r["src_rank"].numel(), HIDDEN)) for r in results]
-    biases = [(wide((num_tokens, HIDDEN)), wide((num_tokens, HIDDEN))) for _ in range(num_ranks)]
-    weights_list = [r["topk_weights"] * 3 for r in results]
-    return results, ys, topk_idxs, biases, weights_list
-
-
-def _hybrid_model(results, ys, topk_idxs, num_experts, node_size, biases):
-    """Token by token, straight from the hybrid rule (independent of the reference's vectorised code)."""
-    num_ranks = len(topk_idxs)
     num_local = num_experts // num_ranks
-    expected = []
-    for source, topk_idx in enumerate(topk_idxs):
-        topk_idx = sanitize_topk_idx(topk_idx, num_experts)
-        out = torch.empty(topk_idx.shape[0], HIDDEN, dtype=torch.bfloat16)
-        for token in range(topk_idx.shape[0]):
-            ranks = sorted({int(e) // num_local for e in topk_idx[token] if e >= 0})
-            total = torch.zeros(HIDDEN)
-            for bias in biases[source]:
-                total = total + bias[token].float()
-            for node in sorted({rank // node_size for rank in ranks}):
-                partial = torch.zeros(HIDDEN)
-                for rank in (r for r in ranks if r // node_size == node):
-                    mine = (results[rank]["src_rank"] == source) & (results[rank]["src_token"] == token)
-                    contribution = torch.zeros(HIDDEN)
-                    for row in mine.nonzero().flatten().tolist():  # ascending expanded-row order
-                        contribution = contribution + ys[rank][row].float()
-                    partial = partial + contribution.bfloat16().float()
-                total = total + partial.bfloat16().float()
-            out[token] = total.bfloat16()
-        expected.append(out)
-    return expected
+    ys = [
+        combine_inputs_from_lanes(
+            lanes, topk_idxs, r["src_rank"], r["src_token"], dest, num_local, r["local_expert"] if do_expand else None
+        )
+        for dest, r in enumerate(results)
+    ]
+    weights_list = [r["topk_weights"] * 3 for r in results]
+    return results, ys, topk_idxs, lanes, weights_list
+
+
+def _biases(count: int, num_ranks: int, num_tokens: int, seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    biases = []
+    for _ in range(num_ranks):
+        terms = [
+            make_lane_outputs(torch.zeros(num_tokens, 1, dtype=torch.int64), HIDDEN, generator)[:, 0]
+            for _ in range(count)
+        ]
+        biases.append(None if count == 0 else terms[0] if count == 1 else tuple(terms))
+    return biases
+
+
+@pytest.mark.parametrize("num_biases", [0, 1, 2])
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.parametrize("node_size", [None, 1, 2, 4])
+def test_combine_equals_deep_ep_v2_reference_order_on_random_data(node_size, do_expand, num_biases):
+    """ht_combine against an independent transcription of DeepEP V2's refs.combine (per-lane outputs:
+    grouped by rank, then by node in hybrid mode, partials on each group's last lane, lanes summed
+    in order), bit for bit; and the data tells V2's order from ascending rank order."""
+    num_ranks, num_experts, num_topk, num_tokens = 8, 16, 6, 24
+    results, ys, topk_idxs, lanes, weights_list = _random_lane_group(
+        num_ranks, num_experts, num_topk, num_tokens, do_expand, seed=10 * num_biases + (node_size or 0)
+    )
+    biases = _biases(num_biases, num_ranks, num_tokens, seed=7 + num_biases)
+    order = {} if node_size is None else {"num_ranks_per_node": node_size}
+    combined = ht_combine(
+        results, ys, topk_idxs, num_experts, weights_list=weights_list, biases=biases, do_expand=do_expand, **order
+    )
+    num_local = num_experts // num_ranks
+    differs = False
+    for source in range(num_ranks):
+        want = v2_combine(lanes[source], topk_idxs[source], num_experts, num_ranks, bias=biases[source], **order)
+        assert torch.equal(combined[source]["x"].view(torch.int16), want.view(torch.int16)), source
+        sorted_lanes, sorted_idx = lanes_by_rank(lanes[source], topk_idxs[source], num_local)
+        ascending = v2_combine(sorted_lanes, sorted_idx, num_experts, num_ranks, bias=biases[source], **order)
+        differs |= not torch.equal(ascending, want)
+    assert differs, "the random data should tell V2's order from ascending rank order"
 
 
 @pytest.mark.parametrize("do_expand", [False, True])
 @pytest.mark.parametrize("node_size", [2, 4])
-def test_hybrid_combine_matches_a_token_by_token_model_on_random_data(do_expand, node_size):
+def test_hybrid_combine_differs_from_direct_only_in_x(do_expand, node_size):
     num_experts = 16
-    results, ys, topk_idxs, biases, weights_list = _random_group(8, num_experts, 4, 12, do_expand, seed=node_size)
+    results, ys, topk_idxs, _, weights_list = _random_lane_group(8, num_experts, 4, 12, do_expand, seed=node_size)
+    biases = _biases(2, 8, 12, seed=node_size)
     kwargs = {"biases": biases, "weights_list": weights_list, "do_expand": do_expand}
     hybrid = ht_combine(results, ys, topk_idxs, num_experts, num_ranks_per_node=node_size, **kwargs)
     direct = ht_combine(results, ys, topk_idxs, num_experts, **kwargs)
-    expected = _hybrid_model(results, ys, topk_idxs, num_experts, node_size, biases)
     differs = False
-    for got, want, direct_rank in zip(hybrid, expected, direct, strict=True):
-        assert torch.equal(got["x"].view(torch.int16), want.view(torch.int16))
+    for got, direct_rank in zip(hybrid, direct, strict=True):
         assert torch.equal(got["topk_weights"], direct_rank["topk_weights"])
         differs |= not torch.equal(got["x"], direct_rank["x"])
     assert differs, "the random data should tell the hybrid order from the direct one"
+
+
+def test_v2_transcription_sums_a_group_in_lane_order_on_its_last_lane():
+    # One token, K=4, L=1: lanes on ranks [2, 0, 2, 2] hold -2^24, 5, 2^24, 1. Rank 2's partial
+    # ((-2^24 + 2^24) + 1 = 1) lands on lane 3, rank 0's (5) on lane 1; the rest are zero.
+    lanes = torch.tensor([[-(2.0**24), 5.0, 2.0**24, 1.0]]).unsqueeze(-1).expand(-1, -1, 2).bfloat16()
+    group = torch.tensor([[2, 0, 2, 2]])
+    partials = v2_lane_partials(lanes, group)
+    assert partials[0, :, 0].tolist() == [0.0, 5.0, 0.0, 1.0]
+    assert v2_combine(lanes, group, 3, 3, bias=rows(0.5, hidden=2)).tolist() == [[6.5, 6.5]]
 
 
 @pytest.mark.parametrize("node_size", [0, -2, 3, 8])

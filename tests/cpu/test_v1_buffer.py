@@ -366,7 +366,7 @@ def _core_handle(num_rows: int, num_received: int, *, num_ranks: int = 2, num_no
         num_recv_tokens=num_rows,
         num_expanded_tokens=num_rows,
         num_recv_tokens_per_expert_list=[3, 1],
-        psum_num_recv_tokens_per_scaleup_rank=psum,
+        psum_num_recv_tokens_per_source=psum,
         psum_num_recv_tokens_per_expert=counts[8:10],
         num_unaligned_recv_tokens_per_expert=counts[10:12],
         recv_src_info=src_info,
@@ -439,7 +439,7 @@ def test_intranode_handle_indexes_like_v1_where_it_can():
     assert handle[4] is in_rank and handle[-2] is in_rank
     assert handle[3].tolist() == [100, 101, 102, 103, 104] and handle[3].dtype == torch.int32
     assert handle[3].is_contiguous()
-    assert torch.equal(handle.recv_rank_prefix_sum, core.psum_num_recv_tokens_per_scaleup_rank)
+    assert torch.equal(handle.recv_rank_prefix_sum, core.psum_num_recv_tokens_per_source)
     assert handle.num_recv_tokens_device.tolist() == [5]
     with pytest.raises(IndexError, match="rank_prefix_matrix") as info:
         handle[0]
@@ -464,6 +464,29 @@ def test_intranode_handle_indexes_like_v1_where_it_can():
         _a, _b, _c, _d, _e, _f = handle
 
 
+def test_intranode_handle_zero_is_the_cores_rank_prefix_matrix():
+    core = _core_handle(num_rows=5, num_received=5, num_ranks=2)
+    core.rank_prefix_matrix = torch.tensor([[1, 2], [4, 5]], dtype=torch.int32)  # the notify kernel's
+    handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=0, rank=1)
+    assert handle[0] is core.rank_prefix_matrix and handle.rank_prefix_matrix is core.rank_prefix_matrix
+    # One gathered by a dispatch without topk_idx takes precedence (the same values on a real run).
+    gathered = torch.tensor([[1, 2], [4, 5]], dtype=torch.int32)
+    handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=0, rank=1, rank_prefix_matrix=gathered)
+    assert handle[0] is gathered
+
+
+def test_combine_asks_the_core_for_v1s_summed_weights():
+    buffer = _recording_buffer()
+    combined = []
+    buffer._core.combine = lambda x, handle, **kwargs: combined.append((handle, kwargs)) or ("x", "w", None)
+    core_handle = _core_handle(num_rows=3, num_received=3)
+    handle = DispatchHandle(core_handle, num_recv_tokens=3, num_worst_tokens=0, rank=0)
+    weights = torch.ones(3, 2)
+    assert buffer.combine(torch.zeros(3, 128, dtype=torch.bfloat16), handle, topk_weights=weights)[:2] == ("x", "w")
+    ((got_handle, kwargs),) = combined
+    assert got_handle is core_handle and kwargs["topk_weights"] is weights and kwargs["sum_topk_weights"] is True
+
+
 def test_is_token_in_rank_is_computed_from_the_routing_when_not_passed():
     core = _core_handle(num_rows=5, num_received=5, num_ranks=2)  # 4 experts, 2 per rank
     handle = DispatchHandle(core, num_recv_tokens=5, num_worst_tokens=0, rank=0)
@@ -475,7 +498,7 @@ def test_internode_handle_gives_the_global_rank_prefix_sum():
     handle = DispatchHandle(core, num_recv_tokens=4, num_worst_tokens=0, rank=2)
     assert len(handle) == 10 and handle.internode
     assert handle[0].shape == (3, 4)  # is_token_in_rank
-    assert handle[6] is core.psum_num_recv_tokens_per_scaleup_rank and handle[-4] is handle[6]
+    assert handle[6] is core.psum_num_recv_tokens_per_source and handle[-4] is handle[6]
     for index in (1, 2, 3, 4, 5, 7, 8, 9):
         with pytest.raises(IndexError, match="is not available"):
             handle[index]
@@ -594,6 +617,28 @@ def test_a_token_count_past_the_capacity_raises_buffer_too_small_after_the_core_
     assert info.value.needed_bytes == bytes_for_tokens(2, 2, capacity + 1, 4096, 2, False)
     assert isinstance(info.value.__cause__, ValueError)  # the core's own refusal (it took part without data)
     assert buffer._core.calls == [("dispatch", capacity)]  # every rank passes the same T_max: the capacity
+
+
+def test_an_fp8_dispatch_gets_the_bf16_t_max_so_its_handle_serves_bf16_cached_dispatches():
+    buffer = _recording_buffer()
+    # H=7168, K=8: the bf16 dispatch slot (14464 bytes) is the largest footprint, the fp8 one
+    # smaller (the bf16 combine's 14368 bounds it): a region of 100 fp8 tokens holds 99 bf16 ones.
+    buffer._core._window = {"ht_bytes": 2 * 14368 * 100, "ht_offset": _C.WORKSPACE_BYTES}
+    bf16_capacity = buffer.token_capacity(7168, 8, False)
+    assert buffer.token_capacity(7168, 8, True) > bf16_capacity  # the case that matters
+    topk_idx = torch.arange(8, dtype=torch.int64).repeat(bf16_capacity + 1, 1)
+    per_rank, _, per_expert, in_rank = dispatch_layout(topk_idx, 8, 2)
+    x = (torch.zeros(bf16_capacity + 1, 7168, dtype=torch.float8_e4m3fn), torch.ones(bf16_capacity + 1, 56))
+    with pytest.raises(BufferTooSmallError) as info:
+        buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+        )
+    assert buffer._core.calls == [("dispatch", bf16_capacity)]
+    assert f"at most {bf16_capacity} tokens" in str(info.value)
 
 
 def test_refused_cached_dispatch_and_combine_take_part_with_the_core_handle():

@@ -15,6 +15,7 @@ from deep_ep.fp8 import per_token_cast_back
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
 from deep_ep.testing.reference_ht import ht_expanded_row_idx, ht_src_info, v2_recv_src_metadata
+from deep_ep.testing.reference_v2 import v2_psum_num_recv_tokens_per_scaleup_rank
 
 # One buffer serves every case of a launch: sized for the largest (bf16 is the larger payload).
 MAX_TOKENS = 4096
@@ -195,7 +196,14 @@ def check_dispatch(
     assert stats["tokens_per_local_expert"].tolist() == expected["num_recv_tokens_per_expert"], "tokens per expert"
     assert handle.num_recv_tokens_per_expert_list == expected["num_recv_tokens_per_expert_aligned"], "aligned counts"
     psum = torch.tensor(expected["num_recv_tokens_per_rank"]).cumsum(0).tolist()
-    assert handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == psum, "psum per source rank"
+    assert handle.psum_num_recv_tokens_per_source.tolist() == psum, "psum per source rank"
+    # DeepEP V2's field: per scale-up peer (summed over nodes) in hybrid mode, per rank in direct mode.
+    v2_psum = v2_psum_num_recv_tokens_per_scaleup_rank(
+        inputs.topk_idxs, case.experts(len(inputs.topk_idxs)), rank, num_ranks_per_node
+    )
+    peer_psum = handle.psum_num_recv_tokens_per_scaleup_rank
+    assert peer_psum.dtype == torch.int32 and peer_psum.device == handle.counts.device, "V2 psum dtype/device"
+    assert peer_psum.tolist() == v2_psum, f"psum per scale-up peer {peer_psum.tolist()}, V2 {v2_psum}"
     assert handle.num_recv_tokens == sum(expected["num_recv_tokens_per_rank"]), "num_recv_tokens"
     if case.do_expand:
         assert recv_topk_idx is None, "expand mode returns no recv_topk_idx"

@@ -5,12 +5,13 @@ the whole group; and torch.compile(fullgraph=True) of the step through the custo
 The reference (``dense_reference``) holds every rank's inputs (seeded generators) and computes, with
 plain torch autograd, what the step produces for each source rank: per destination rank the same
 expert function on the tokens routed there, summed like combine (fp32 from 0.0: biases, then
-destination ranks ascending, one bf16 rounding; expand: per rank over its local experts first,
-rounded to bf16). Dispatch is modelled by ``Fanout`` (deep_ep.testing.reference_experts, shared
-with the CPU tests): one copy of ``x`` per (rank, local expert group) whose backward sums the
-copies' gradients in that same order, which is the library's contract for dispatch's backward (a
-combine). Every value and gradient that is a fixed sequence of
-elementwise fp32 operations is compared bitwise: outputs, combined weights, ``x.grad``, bias grads.
+destination ranks in ascending order of each rank's last top-k lane, one bf16 rounding; expand: per
+rank over its rows in top-k lane order first, rounded to bf16; hybrid: per node first). Dispatch
+is modelled by ``Fanout`` (deep_ep.testing.reference_experts, shared with the CPU tests): one copy
+of ``x`` per (rank, local expert group) whose backward sums the copies' gradients in that same
+order, which is the library's contract for dispatch's backward (a combine). Every value and
+gradient that is a fixed sequence of elementwise fp32 operations is compared bitwise: outputs,
+combined weights, ``x.grad``, bias grads.
 Gradients of the routing weights and of the experts' gains are fp32 reductions (over H, over rows)
 whose order depends on the tensor shapes (the library reduces over N received rows, the reference
 over T tokens per source), so they are compared with a tolerance.

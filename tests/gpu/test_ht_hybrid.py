@@ -346,8 +346,8 @@ def _assert_same_dispatch(name: str, got: tuple, want: tuple) -> None:
         ("recv_topk_weights", got[2], want[2]),
         (
             "psum per source rank",
-            got[3].psum_num_recv_tokens_per_scaleup_rank,
-            want[3].psum_num_recv_tokens_per_scaleup_rank,
+            got[3].psum_num_recv_tokens_per_source,
+            want[3].psum_num_recv_tokens_per_source,
         ),
         ("psum per expert", got[3].psum_num_recv_tokens_per_expert, want[3].psum_num_recv_tokens_per_expert),
         ("tokens per local expert", got[3].stats["tokens_per_local_expert"], want[3].stats["tokens_per_local_expert"]),

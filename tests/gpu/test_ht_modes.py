@@ -246,9 +246,11 @@ STRESS_TOPK = 8
 
 
 def _round_trip_expected(x_bf16, topk_idx, num_ranks, num_experts, do_expand):
-    """Combine of identity experts, computed from this rank's inputs alone: for each destination rank
-    ascending, its contribution is bf16(m * x) (m = the token's experts there in expand mode, else 1),
-    summed in fp32 and rounded once. m * x is exact in fp32 for m <= 32."""
+    """Combine of identity experts, computed from this rank's inputs alone: each destination rank
+    contributes bf16(m * x) (m = the token's experts there in expand mode, else 1), summed in fp32
+    and rounded once. m * x is exact in fp32 for m <= 32, and so is every partial sum of these
+    multiples of x's last bit (at most 14 significant bits), so the order of the ranks (DeepEP V2's
+    in the kernels, ascending here) changes no bit."""
     num_local = num_experts // num_ranks
     ranks = torch.where(topk_idx >= 0, topk_idx // num_local, torch.full_like(topk_idx, -1))
     acc = torch.zeros(x_bf16.shape, dtype=torch.float32, device=x_bf16.device)

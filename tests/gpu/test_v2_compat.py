@@ -530,6 +530,62 @@ def _check_masked_decode(checks: Checks, step: str, result: tuple, expected: dic
     _check_combined(checks, step, combined, combined_weights, want)
 
 
+def _without_handle_copy(buffer: deep_ep.ElasticBuffer, rank: int, num_ranks: int) -> list[str]:
+    """``do_handle_copy=False``, as V2's test checks it: the handle's ``topk_idx`` is the caller's
+    tensor (same storage), also after a cached re-dispatch, and with the default it is not. Each
+    call runs once on the C++ host path (everyday arguments) and once on the Python path
+    (``allocate_on_comm_stream=True``). Then the caller overwrites its routing tensor: combine and a
+    cached re-dispatch through the handle still match the reference of the routing dispatched (the
+    kernels read the handle's own sanitised copy)."""
+    checks = Checks()
+    num_local = NUM_EXPERTS // num_ranks
+    group = _group(num_ranks, PREFILL_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, 261, use_fp8=True)
+    reference = ht_dispatch(group.xs, group.topk_idxs, group.weights, NUM_EXPERTS)
+    ys = _reference_expert_outputs(reference, num_local, do_expand=False)
+    want = ht_combine(reference, ys, group.topk_idxs, NUM_EXPERTS)[rank]
+    xs = _activations(group.num_tokens, HIDDEN, 262, use_fp8=True)
+    expected = ht_dispatch(xs, group.topk_idxs, group.weights, NUM_EXPERTS)
+    for path, options in (("host path", {}), ("Python path", {"allocate_on_comm_stream": True})):
+        step = f"do_handle_copy=False ({path})"
+        topk_idx = group.topk_idxs[rank].clone()
+        outputs = buffer.dispatch(
+            group.xs[rank],
+            topk_idx=topk_idx,
+            topk_weights=group.weights[rank],
+            num_experts=NUM_EXPERTS,
+            do_handle_copy=False,
+            **options,
+        )
+        _check_rows(checks, step, outputs, reference[rank], do_expand=False)
+        recv_x, recv_topk_idx, recv_topk_weights, handle, _ = outputs
+        _check_handle(checks, step, handle, reference[rank], do_expand=False)
+        checks.true(handle.topk_idx is topk_idx, f"{step}: handle.topk_idx is not the caller's tensor")
+        checks.true(handle.topk_idx.data_ptr() == topk_idx.data_ptr(), f"{step}: handle.topk_idx has other storage")
+
+        # The caller reuses its routing tensor: nothing the handle drives may change.
+        topk_idx.copy_(topk_idx.flip(1).roll(1, dims=0))
+        y = expert_rows(_bf16_rows(recv_x), recv_topk_idx, recv_topk_weights, rank, num_local)
+        combined, combined_weights, _ = buffer.combine(y, handle, **options)
+        _check_combined(checks, f"{step} combine", combined, combined_weights, want)
+        cached = buffer.dispatch(xs[rank], topk_weights=group.weights[rank], handle=handle, **options)
+        _check_rows(checks, f"{step} cached dispatch", cached, expected[rank], do_expand=False)
+        checks.true(cached[3] is handle, f"{step}: cached dispatch returns another handle")
+        checks.true(
+            cached[3].topk_idx.data_ptr() == topk_idx.data_ptr(), f"{step}: cached handle.topk_idx has other storage"
+        )
+
+        copied = buffer.dispatch(
+            group.xs[rank], topk_idx=group.topk_idxs[rank], topk_weights=group.weights[rank], num_experts=NUM_EXPERTS
+        )[3]
+        caller = group.topk_idxs[rank]
+        # (A rank without tokens has empty tensors, whose data_ptr is 0 for every tensor.)
+        checks.true(
+            copied.topk_idx is not caller and (caller.numel() == 0 or copied.topk_idx.data_ptr() != caller.data_ptr()),
+            f"{path}: with do_handle_copy=True (default) handle.topk_idx shares the caller's storage",
+        )
+    return checks.failures
+
+
 def _decode_expanded(buffer: deep_ep.ElasticBuffer, rank: int, num_ranks: int) -> list[str]:
     checks = Checks()
     group = _group(num_ranks, DECODE_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, 231, use_fp8=True)
@@ -549,6 +605,7 @@ def _inference(rank: int, num_ranks: int, group: Any) -> dict:
             ("prefill_expanded", _prefill_expanded),
             ("decode_rows", _decode_rows),
             ("decode_expanded", _decode_expanded),
+            ("without_handle_copy", _without_handle_copy),
         ):
             guarded(results, name, lambda sequence=sequence: sequence(buffer, rank, num_ranks))
         results["errors_after"] = capture(buffer.check_errors)
@@ -1011,6 +1068,11 @@ def test_prefill_expanded_with_column_major_scales_and_event_chain_matches_the_r
 
 def test_decode_without_cpu_sync_reads_only_the_valid_rows(v2_results: list[dict]) -> None:
     failures = _lines(v2_results, "inference", "decode_rows") + _lines(v2_results, "inference", "decode_expanded")
+    assert not failures, "\n".join(failures)
+
+
+def test_dispatch_without_handle_copy_keeps_the_callers_topk_idx(v2_results: list[dict]) -> None:
+    failures = _lines(v2_results, "inference", "without_handle_copy")
     assert not failures, "\n".join(failures)
 
 
