@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 OTHER_FAILURES_GRACE_SECS = 15.0
@@ -95,7 +95,7 @@ class _RankSetup:
 RANK_MEMORY_SHARE = 0.8
 
 
-def _cap_cached_memory(num_ranks: int, num_gpus: int, device: int) -> None:
+def cap_cached_memory(num_ranks: int, num_gpus: int, device: int) -> None:
     """Bound each rank's caching allocator to its share of the shared GPU. Without a bound, blocks
     one rank keeps cached after a large case are memory another rank cannot get: eight ranks of
     the low-latency suite on one 80 GB GPU then fail with OOM while each uses far less at once.
@@ -121,7 +121,7 @@ def _setup_rank(rank: int, num_ranks: int, results: Any) -> _RankSetup | None:
         try:
             torch.cuda.set_device(rank % num_gpus)
             if num_ranks > num_gpus:
-                _cap_cached_memory(num_ranks, num_gpus, rank % num_gpus)
+                cap_cached_memory(num_ranks, num_gpus, rank % num_gpus)
         except Exception as exc:
             if any(marker in str(exc) for marker in DEVICE_NOT_READY_MARKERS):
                 results.put((rank, "device-not-ready", str(exc)))
@@ -176,7 +176,7 @@ def _register_stack_dump(store_dir: str, rank: int) -> None:
 def _worker(
     rank: int, num_ranks: int, init_method: str, fn: Callable[..., Any], args: tuple[Any, ...], results: Any
 ) -> None:
-    os.environ.update(_SAFE_ENV)
+    os.environ.update(SAFE_ENV)
     _register_stack_dump(os.path.dirname(init_method.removeprefix("file://")), rank)
     try:
         setup = _setup_rank(rank, num_ranks, results)

@@ -60,7 +60,7 @@ def _reset_torch_state() -> None:
 
 def _pool_worker(rank: int, num_ranks: int, store_dir: str, tasks: Any, results: Any) -> None:
     """One rank of the pool: run each task (init method, caller's environment, fn, args) until None."""
-    os.environ.update(launcher._SAFE_ENV)
+    os.environ.update(launcher.SAFE_ENV)
     launcher._register_stack_dump(store_dir, rank)
     # The variables this process was started with that the caller's environment must not override
     # (the launcher's module-loading choice is fixed at the process's start).
@@ -73,7 +73,7 @@ def _pool_worker(rank: int, num_ranks: int, store_dir: str, tasks: Any, results:
         init_method, environment, fn, args = task
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update({**environment, **launcher._SAFE_ENV, **own})
+        os.environ.update({**environment, **launcher.SAFE_ENV, **own})
         try:
             if setup is None:
                 setup = launcher._setup_rank(rank, num_ranks, results)

@@ -154,7 +154,7 @@ def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int
 
     NVLink multicast is left off (``NCCL_NVLS_ENABLE=0`` and the like, unless already set).
     """
-    from deep_ep.testing.launcher import _SAFE_ENV, _cap_cached_memory
+    from deep_ep.testing.launcher import SAFE_ENV, cap_cached_memory
     from deep_ep.testing.warm_up import warm_up_cuda_libraries
 
     ip = os.getenv("MASTER_ADDR", _ENV_DEFAULTS["MASTER_ADDR"])
@@ -164,7 +164,7 @@ def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int
     if not 0 <= local_rank < num_local_ranks:
         raise ValueError(f"local_rank must be in [0, {num_local_ranks}), got {local_rank}")
     _state["local_rank"] = local_rank
-    for name, value in _SAFE_ENV.items():
+    for name, value in SAFE_ENV.items():
         os.environ.setdefault(name, value)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
 
@@ -177,7 +177,7 @@ def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int
     if device is not None:
         torch.cuda.set_device(device)
         if shares_gpu:
-            _cap_cached_memory(num_local_ranks, num_gpus, device)
+            cap_cached_memory(num_local_ranks, num_gpus, device)
 
     params = {
         "backend": backend,
