@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it (.ci/run): bootstrap, C++ unit tests (ctest), then pytest
-# (tests/cpu, and tests/gpu, which skips itself without a GPU). Exits non-zero on any failure,
-# including a suite that collected no test.
+# The whole test suite, as CI runs it (.ci/run): bootstrap, the style gate (ruff check, ruff format
+# --check, clang-format on the C++/CUDA sources), C++ unit tests (ctest), then pytest (tests/cpu,
+# and tests/gpu, which skips itself without a GPU). Exits non-zero on any failure, including a
+# finding of the style gate and a suite that collected no test.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -10,6 +11,19 @@ bash scripts/bootstrap.sh
 python=.venv/bin/python
 build_dir="build/cmake-$("$python" -c 'import sys; print(sys.implementation.cache_tag)')"
 failed=()
+
+# Style gate: every finding fails the run.
+python_sources=(deep_ep tests benchmarks examples scripts)
+if ! .venv/bin/ruff check "${python_sources[@]}"; then
+  failed+=("ruff check")
+fi
+if ! .venv/bin/ruff format --check "${python_sources[@]}"; then
+  failed+=("ruff format")
+fi
+mapfile -t cpp_sources < <(find csrc tests/cpp -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' \) | sort)
+if [ ${#cpp_sources[@]} -eq 0 ] || ! .venv/bin/clang-format --dry-run -Werror "${cpp_sources[@]}"; then
+  failed+=(clang-format)
+fi
 
 shopt -s nullglob
 cpp_tests=(tests/cpp/*.cpp)
