@@ -26,19 +26,15 @@ namespace {
 
 constexpr int kPullThreads = 512;
 constexpr int kPullWarps = kPullThreads / 32;
-// Vectors per lane per row in flight (with kSumTermsInFlight rows: 8 x 16 B per lane). Measured at 8
-// ranks on one H200: 3 was slower (1,328 against 1,245 us), 4 spills at 128 registers. Loading the
-// rows into shared memory by cp.async instead (3 stages of 8 rows x 32 vectors per warp, so that
-// registers do not bound what is in flight) gave 1,289 against 1,306 us in one run: what a warp
-// keeps in flight is not what bounds this kernel there, so the simpler register form stays.
+// Vectors per lane per row in flight (with kSumTermsInFlight rows: 8 x 16 B per lane): 2 measured faster
+// than 3 at 8 ranks on one H200, 4 spills at 128 registers, and a cp.async shared-memory pipeline
+// (registers no bound on what is in flight) gained nothing there, so the simpler register form stays.
 constexpr int kSumUnroll = 2;
 // Chunks of each term row kept on their way into L2 ahead of the loads (bulk prefetches; no
-// registers): 2 x 1 KiB per row per warp, ~170 KiB per SM at 5.3 rows per token. Measured at 8 ranks
-// on one H200, T = 4096, both sides in one run: kernel 1,282 -> 1,083 us (the rows' loads then find
-// them in L2; the cp.async pipeline above, bound by the same 8 KiB per warp, could not do that).
-// Three chunks ahead: 1,180 us, four: 1,282 (the prefetched lines are evicted before their loads).
-// The same prefetch slowed the reduce, which reads its own window (815 -> 858 us): only loads from
-// peers' windows waited long enough to gain.
+// registers): 2 x 1 KiB per row per warp, ~170 KiB per SM at 5.3 rows per token. 2 measured faster
+// than none, 3 and 4 at 8 ranks on one H200, T = 4096 (further ahead, the prefetched lines are evicted
+// before their loads); only loads from peers' windows gain from it (the reduce, which reads its own
+// window, did not).
 constexpr int kPullPrefetchChunks = 2;
 
 // V1's combined weight of top-k slot `lane_id()` (returned on lanes < K): the slot of the token's row

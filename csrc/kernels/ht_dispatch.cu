@@ -23,8 +23,8 @@ namespace {
 constexpr int kDispatchThreads = 512;
 constexpr int kDispatchWarps = kDispatchThreads / 32;
 // 16 vectors per lane in flight: a whole fp8 row of H = 7168 (448 vectors) in one round of loads
-// (109 registers). Against 8: within 2 % at 8 ranks on one H200 (HBM-bound there); not yet measured
-// with one rank per GPU.
+// (109 registers). Within 2 % of 8 at 8 ranks on one H200 (HBM-bound there); not measured with one
+// rank per GPU.
 constexpr int kCopyUnroll = 16;
 
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_impl(const DispatchArgs args) {

@@ -53,9 +53,9 @@ __device__ void zero_row(const EpilogueArgs& args, int64_t row, int64_t row_byte
 }
 
 // Zero-copy receive (direct, non-expand): payload and scales are in final position already; only the
-// per-row metadata is written, one thread per row. (A warp per row, as below, kept only kRowsAhead
-// rows' metadata loads in flight per warp: 82-85 us at 8 ranks on one H200, bound by load latency;
-// here each lane's row loads are in flight at once.) Same values as the warp path: local expert
+// per-row metadata is written, one thread per row. (A warp per row, as below, keeps only kRowsAhead
+// rows' metadata loads in flight per warp, which measured bound by load latency at 8 ranks on one
+// H200; here each lane's row loads are in flight at once.) Same values as the warp path: local expert
 // ids, weights, and the source info with combine row = distinct destination ranks of the token
 // below this rank (direct mode: every rank is in scope) and master lane = first local top-k entry.
 static_assert(kSrcInfoSourceRank == 0 && kSrcInfoSourceToken == 1 && kSrcInfoCombineRow == 2 &&

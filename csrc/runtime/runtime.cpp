@@ -81,7 +81,7 @@ void Runtime::create_resources() {
   if (config_.phase_clock) {
     // Device memory, not host-mapped: a stamp is an L2 write, and the system-scope fences that
     // follow stamps in the kernels (count releases, the host-mapped ready flag) cannot wait for
-    // stamps crossing PCIe (host-mapped stamps measured no slower in the notify, docs/performance.md).
+    // stamps crossing PCIe (host-mapped stamps measured no slower in the notify).
     EP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&view_.phase_clock), sizeof(uint64_t) * kPhaseClockEntries));
     EP_CUDA_CHECK(cudaMemset(view_.phase_clock, 0, sizeof(uint64_t) * kPhaseClockEntries));
   }
