@@ -118,7 +118,7 @@ def kernel_input(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def _take_part_and_raise(buffer: Any, operation: str, error: Exception, **details: Any) -> None:
+def take_part_and_raise(buffer: Any, operation: str, error: Exception, **details: Any) -> None:
     """Raise ``error`` after this rank took part in the operation without data, as the buffer does
     for its own argument errors (docs/api.md, "When something goes wrong"): its peers are already
     in the collective and must not wait for this rank."""
@@ -235,7 +235,7 @@ def dispatch(
     elif (message := _check_refused(kwargs)) is not None:
         error = ValueError(message)
     if error is not None:
-        _take_part_and_raise(buffer, "dispatch", error, handle=kwargs.get("handle"), num_experts=num_experts)
+        take_part_and_raise(buffer, "dispatch", error, handle=kwargs.get("handle"), num_experts=num_experts)
     return _Dispatch.apply(buffer, x, topk_idx, topk_weights, kwargs)
 
 
@@ -324,5 +324,5 @@ def combine(
         if (message := _check_refused(combine_kwargs)) is not None:
             raise ValueError(message)
     except ValueError as error:
-        _take_part_and_raise(buffer, "combine", error, x=x, handle=handle)
+        take_part_and_raise(buffer, "combine", error, x=x, handle=handle)
     return _Combine.apply(buffer, x, handle, topk_weights, bias0, bias1, bias_as_tensor, dict(combine_kwargs))

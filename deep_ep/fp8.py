@@ -39,6 +39,8 @@ tensor holding ``1/448`` (so the constant is rounded to fp32 before the multiply
 
 import torch
 
+from deep_ep._util import describe
+
 __all__ = [
     "FP8_GROUP_SIZE",
     "FP8_MAX",
@@ -57,13 +59,9 @@ _FP32_MANTISSA_BITS = 23
 _UE8M0_PER_WORD = 4
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-
-
 def _num_groups(name: str, tensor: torch.Tensor) -> int:
     if tensor.dim() < 2:
-        raise ValueError(f"{name} must be [T, H] (or [..., T, H]), got {_describe(tensor)}")
+        raise ValueError(f"{name} must be [T, H] (or [..., T, H]), got {describe(tensor)}")
     hidden = tensor.shape[-1]
     if hidden % FP8_GROUP_SIZE != 0:
         raise ValueError(f"{name} hidden size must be a multiple of {FP8_GROUP_SIZE} for fp8, got H={hidden}")
@@ -82,7 +80,7 @@ def per_token_cast_to_fp8(x: torch.Tensor, *, round_scale: bool = False) -> tupl
     ``round_scale`` it is the power of two ``2**ceil(log2(fp32(amax * fp32(1/448))))`` (module docstring).
     """
     if x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be bfloat16 or float32, got {_describe(x)}")
+        raise ValueError(f"x must be bfloat16 or float32, got {describe(x)}")
     num_groups = _num_groups("x", x)
     grouped = x.float().reshape(*x.shape[:-1], num_groups, FP8_GROUP_SIZE)
     amax = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR)
@@ -103,11 +101,11 @@ def per_token_cast_to_fp8(x: torch.Tensor, *, round_scale: bool = False) -> tupl
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Dequantise ``(fp8 [..., T, H], fp32 [..., T, H/128])`` to bf16: ``bf16(float(q) * scale)``."""
     if x_fp8.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"x_fp8 must be float8_e4m3fn, got {_describe(x_fp8)}")
+        raise ValueError(f"x_fp8 must be float8_e4m3fn, got {describe(x_fp8)}")
     num_groups = _num_groups("x_fp8", x_fp8)
     expected_shape = (*x_fp8.shape[:-1], num_groups)
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected_shape:
-        raise ValueError(f"scales must be float32 {list(expected_shape)}, got {_describe(scales)}")
+        raise ValueError(f"scales must be float32 {list(expected_shape)}, got {describe(scales)}")
     grouped = x_fp8.float().reshape(*expected_shape, FP8_GROUP_SIZE)
     return (grouped * scales.unsqueeze(-1)).to(torch.bfloat16).reshape(x_fp8.shape)
 
@@ -120,7 +118,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     two (``2**e`` with ``-126 <= e <= 127``), as ``per_token_cast_to_fp8(..., round_scale=True)`` gives.
     """
     if scales.dtype != torch.float32 or scales.dim() < 1:
-        raise ValueError(f"scales must be float32 [..., G], got {_describe(scales)}")
+        raise ValueError(f"scales must be float32 [..., G], got {describe(scales)}")
     num_groups = scales.shape[-1]
     if num_groups % _UE8M0_PER_WORD != 0:
         raise ValueError(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deep_ep import _C
+from deep_ep._util import align_up, cuda_event, describe, pointer
 from deep_ep.errors import BufferTooSmallError
 from deep_ep.event import EventOverlap, event_or_none, stream_capturing
 from deep_ep.failed_input import NULL_HIDDEN, add_note, take_part_without_input
@@ -43,24 +44,12 @@ MAX_TOPK = 32
 NVLINK_GBS = 395.0
 SHARED_GPU_GBS = 2000.0
 # Effective HBM + NVLink write rate of one SM running our direct kernels, calibrated on 2 x H200
-# (2026-11-29 num_sms sweep, docs/performance.md): one SM sustains ~40 GB/s alone but the rate per
+# (a num_sms sweep, docs/performance.md): one SM sustains ~40 GB/s alone but the rate per
 # SM falls as SMs are added, and 90 % of the best measured bandwidth needed ~32 SMs where
 # DeepEP's 50 GB/s/SM model gives 20. Calibrated so the estimate lands there.
 DIRECT_SM_WRITE_GBS = 31.0
 # The estimate's default read rate of one SM (get_theoretical_num_sms, sm_read_gbs).
 SM_READ_GBS = 200.0
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
-def _pointer(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
 
 
 # Per-call-shape constants from the geometry core, memoised: every call would otherwise cross into
@@ -73,7 +62,7 @@ def _ht_layout(
 
 
 @functools.lru_cache(maxsize=64)
-def _counts_layout(num_ranks: int, num_local: int) -> dict[str, int]:
+def counts_layout(num_ranks: int, num_local: int) -> dict[str, int]:
     return _C.ht_counts_layout(num_ranks, num_local)
 
 
@@ -88,9 +77,9 @@ _COUNTS_FIELDS = (
 
 
 @functools.lru_cache(maxsize=64)
-def _counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
+def counts_field_sizes(num_ranks: int, num_local: int) -> tuple[int, ...]:
     """Sizes of the counts fields in layout order (the layout packs them back to back)."""
-    layout = _counts_layout(num_ranks, num_local)
+    layout = counts_layout(num_ranks, num_local)
     bounds = [layout[name] for name in _COUNTS_FIELDS] + [layout["total"]]
     if bounds != sorted(bounds) or bounds[0] != 0:
         raise AssertionError(f"counts layout is not packed in field order: {layout}")
@@ -105,7 +94,7 @@ def worst_case_rows(
     num_local = num_experts // num_ranks
     num_rows = num_ranks * num_max_tokens_per_rank
     worst = num_rows * min(num_topk, num_local) + (expert_alignment - 1) * num_local
-    return num_rows, _align_up(worst, expert_alignment)
+    return num_rows, align_up(worst, expert_alignment)
 
 
 # Speculative output capacity (EP_HT_SPECULATIVE_EPILOGUE, see HighThroughputMixin.dispatch): the
@@ -117,7 +106,7 @@ SPECULATIVE_HEADROOM_ROWS = 128
 def speculative_rows(last: int, worst: int) -> int:
     """Rows to allocate before the counts are known, from ``last`` (the previous call's count of the
     same shape) and ``worst`` (the most the call can receive)."""
-    wanted = _align_up(last + last // 4 + SPECULATIVE_HEADROOM_ROWS, SPECULATIVE_HEADROOM_ROWS)
+    wanted = align_up(last + last // 4 + SPECULATIVE_HEADROOM_ROWS, SPECULATIVE_HEADROOM_ROWS)
     return max(0, min(worst, wanted))
 
 
@@ -126,16 +115,12 @@ def speculative_rows(last: int, worst: int) -> int:
 _NOT_ALLOCATED = torch.empty(0)
 
 
-def _cuda_event(event: EventOverlap | torch.cuda.Event) -> torch.cuda.Event:
-    return event.event if isinstance(event, EventOverlap) else event
-
-
 def _to_col_major_scales(launch: _CommLaunch, scales: torch.Tensor, device: torch.device) -> torch.Tensor:
     """fp8 scales ``[N, P]`` as DeepEP V2 returns them for TMA: column-major, the token dimension
     padded to a multiple of 4 (a view ``[N, P]`` with strides ``(1, align(N, 4))``); copied on the
     comm stream after the epilogue wrote the row-major ones."""
     num_rows, num_groups = scales.shape
-    columns = launch.empty((num_groups, _align_up(max(num_rows, 1), 4)), scales.dtype, device)
+    columns = launch.empty((num_groups, align_up(max(num_rows, 1), 4)), scales.dtype, device)
     with torch.cuda.stream(launch.comm):
         columns[:, num_rows:].zero_()
         columns[:, :num_rows].copy_(scales.t())
@@ -173,7 +158,7 @@ class _CommLaunch:
         self.stream: int = comm.cuda_stream
         self.compute_stream: int = torch._C._cuda_getCurrentRawStream(device)
         if previous_event is not None:
-            comm.wait_event(_cuda_event(previous_event))
+            comm.wait_event(cuda_event(previous_event))
         else:
             runtime.join_streams(self.stream, self.compute_stream)
         # With previous_event the comm stream does not wait for the caller's stream, so memory the
@@ -475,7 +460,7 @@ class HighThroughputMixin:
                 if stats.dtype != torch.int32 or tuple(stats.shape) != (num_local,):
                     raise ValueError(
                         f"cumulative_local_expert_recv_stats must be int32 [{num_local}] (local experts), "
-                        f"got {_describe(stats)}"
+                        f"got {describe(stats)}"
                     )
         except (ValueError, TypeError) as error:
             # This rank's input is bad, but its peers already run (or will run) this dispatch: take
@@ -502,19 +487,19 @@ class HighThroughputMixin:
             new_handle = self._notify(launch, call, routing, expert_alignment, do_expand, do_cpu_sync, num_sms, device)
             if not do_handle_copy:
                 new_handle.keep_caller_topk_idx(topk_idx)
-        send_base = _pointer(new_handle.zero_copy_send_base) if zero_copy_recv else 0
+        send_base = pointer(new_handle.zero_copy_send_base) if zero_copy_recv else 0
         _C.ht_dispatch(
             self._runtime,
             call,
             num_tokens,
-            _pointer(data),
-            _pointer(scales),
-            _pointer(new_handle.routing),
-            _pointer(topk_weights),
-            _pointer(new_handle.dst_buffer_slot_idx),
-            _pointer(new_handle.expert_slot_idx),
+            pointer(data),
+            pointer(scales),
+            pointer(new_handle.routing),
+            pointer(topk_weights),
+            pointer(new_handle.dst_buffer_slot_idx),
+            pointer(new_handle.expert_slot_idx),
             send_base,
-            _pointer(new_handle.hybrid_routing),
+            pointer(new_handle.hybrid_routing),
             cached,
             num_sms,
             launch.stream,
@@ -560,16 +545,16 @@ class HighThroughputMixin:
                 do_expand,
                 expert_alignment,
                 topk_weights is not None,
-                _pointer(new_handle.counts),
+                pointer(new_handle.counts),
                 rows_x.shape[0],
                 new_handle.num_recv_tokens,
-                _pointer(rows_x),
-                _pointer(rows_scales),
-                _pointer(rows_topk_idx),
-                _pointer(rows_weights),
+                pointer(rows_x),
+                pointer(rows_scales),
+                pointer(rows_topk_idx),
+                pointer(rows_weights),
                 # A cached dispatch has the same routing: the handle's source info and row map are already right.
-                0 if cached else _pointer(new_handle.recv_src_info),
-                0 if cached else _pointer(new_handle.recv_expanded_row_idx),
+                0 if cached else pointer(new_handle.recv_src_info),
+                0 if cached else pointer(new_handle.recv_expanded_row_idx),
                 self._max_num_sms,
                 launch.stream,
             )
@@ -607,7 +592,7 @@ class HighThroughputMixin:
             with torch.cuda.stream(launch.comm):
                 cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
         if previous_event_before_epilogue is not None:
-            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+            launch.comm.wait_event(cuda_event(previous_event_before_epilogue))
         epilogue(outputs)
         if speculative:
             capacity = (new_handle.num_recv_tokens, num_rows)
@@ -783,19 +768,19 @@ class HighThroughputMixin:
         _C.ht_notify(
             self._runtime,
             call,
-            _pointer(topk_idx),
-            _pointer(routing),
+            pointer(topk_idx),
+            pointer(routing),
             num_tokens,
             expert_alignment,
             do_expand,
-            _pointer(expert_slot),
-            _pointer(dst_slot),
-            _pointer(scratch),
-            _pointer(counts),
+            pointer(expert_slot),
+            pointer(dst_slot),
+            pointer(scratch),
+            pointer(counts),
             do_cpu_sync,
-            _pointer(send_base),
-            _pointer(rank_prefix_matrix),
-            _pointer(hybrid_routing),
+            pointer(send_base),
+            pointer(rank_prefix_matrix),
+            pointer(hybrid_routing),
             num_sms,
             launch.stream,
             False,
@@ -944,9 +929,7 @@ class HighThroughputMixin:
             what = "expanded rows (handle.num_expanded_tokens)" if handle.do_expand else "rows (handle.num_recv_tokens)"
             self._check_tensor("x", x, device)
             if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != num_rows:
-                raise ValueError(
-                    f"x must be bfloat16 [{num_rows}, H] (one row per received {what}), got {_describe(x)}"
-                )
+                raise ValueError(f"x must be bfloat16 [{num_rows}, H] (one row per received {what}), got {describe(x)}")
             hidden = x.shape[1]
             if hidden == 0 or hidden % 8 != 0:
                 raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={hidden}")
@@ -1001,31 +984,31 @@ class HighThroughputMixin:
             self._runtime,
             call,
             handle.do_expand,
-            _pointer(x),
-            _pointer(topk_weights),
+            pointer(x),
+            pointer(topk_weights),
             sum_topk_weights,
-            _pointer(handle.counts),
-            _pointer(handle.recv_src_info),
-            _pointer(handle.recv_expanded_row_idx),
+            pointer(handle.counts),
+            pointer(handle.recv_src_info),
+            pointer(handle.recv_expanded_row_idx),
             handle.recv_src_info.shape[0],
             handle.num_tokens,
-            _pointer(handle.routing),
-            _pointer(handle.hybrid_routing),
+            pointer(handle.routing),
+            pointer(handle.hybrid_routing),
             num_sms,
             launch.stream,
             False,
         )
         if previous_event_before_epilogue is not None:
-            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+            launch.comm.wait_event(cuda_event(previous_event_before_epilogue))
         _C.ht_combine_reduce(
             self._runtime,
             call,
             handle.num_tokens,
-            _pointer(handle.routing),
-            _pointer(biases[0]),
-            _pointer(biases[1]),
-            _pointer(combined_x),
-            _pointer(combined_weights),
+            pointer(handle.routing),
+            pointer(biases[0]),
+            pointer(biases[1]),
+            pointer(combined_x),
+            pointer(combined_weights),
             sum_topk_weights,
             self._max_num_sms,
             launch.stream,
@@ -1123,7 +1106,7 @@ class HighThroughputMixin:
         device = self._torch_device
         launch = _CommLaunch(self._runtime, self._comm_stream, previous_event, allocate_on_comm_stream, self.device)
         if previous_event_before_epilogue is not None:
-            launch.comm.wait_event(_cuda_event(previous_event_before_epilogue))
+            launch.comm.wait_event(cuda_event(previous_event_before_epilogue))
         combined_x = launch.empty((handle.num_tokens, call.hidden), torch.bfloat16, device)
         combined_weights = None
         if topk_weights is not None:
@@ -1135,13 +1118,13 @@ class HighThroughputMixin:
             self._runtime,
             call,
             handle.num_tokens,
-            _pointer(handle.routing),
-            _pointer(handle.dst_buffer_slot_idx),
-            _pointer(handle.zero_copy_send_base),
-            _pointer(biases[0]),
-            _pointer(biases[1]),
-            _pointer(combined_x),
-            _pointer(combined_weights),
+            pointer(handle.routing),
+            pointer(handle.dst_buffer_slot_idx),
+            pointer(handle.zero_copy_send_base),
+            pointer(biases[0]),
+            pointer(biases[1]),
+            pointer(combined_x),
+            pointer(combined_weights),
             sum_topk_weights,
             num_sms,
             launch.stream,
@@ -1180,10 +1163,10 @@ class HighThroughputMixin:
                 )
                 keep(*handle.tensors())
                 routing = (
-                    _pointer(handle.routing),
-                    _pointer(handle.dst_buffer_slot_idx),
-                    _pointer(handle.expert_slot_idx),
-                    _pointer(handle.hybrid_routing),
+                    pointer(handle.routing),
+                    pointer(handle.dst_buffer_slot_idx),
+                    pointer(handle.expert_slot_idx),
+                    pointer(handle.hybrid_routing),
                 )
                 _C.ht_dispatch(
                     self._runtime,
@@ -1211,7 +1194,7 @@ class HighThroughputMixin:
             hybrid = torch.zeros((_C.ht_hybrid_routing_ints(call, 0),), dtype=torch.int32, device=self._torch_device)
             keep(hybrid)
             if not cached:
-                counts_ints = _counts_layout(num_ranks, num_experts // num_ranks)["total"]
+                counts_ints = counts_layout(num_ranks, num_experts // num_ranks)["total"]
                 send_base_ints = num_ranks if zero_copy else 0
                 scratch = torch.empty(
                     (counts_ints + send_base_ints + _C.ht_notify_scratch_ints(call, 0),),
@@ -1234,13 +1217,13 @@ class HighThroughputMixin:
                     False,
                     scratch.data_ptr() + 4 * counts_ints if zero_copy else 0,
                     0,  # no rank prefix matrix (this rank's send counts still go to its window)
-                    _pointer(hybrid) if call.hybrid else 0,
+                    pointer(hybrid) if call.hybrid else 0,
                     1,
                     stream,
                     True,
                 )
             no_data = (0, 0, 0, 0, 0, 0, 0, 0)  # num_tokens, x, scales, topk_idx, weights, dst/expert slot, send base
-            hybrid_block = _pointer(hybrid) if call.hybrid else 0
+            hybrid_block = pointer(hybrid) if call.hybrid else 0
             _C.ht_dispatch(self._runtime, call, *no_data, hybrid_block, cached, 1, stream, True)
 
         take_part_without_input(self, error, launch)
@@ -1295,13 +1278,13 @@ class HighThroughputMixin:
                 0,
                 0,
                 False,
-                _pointer(handle.counts) if zero_rows else 0,
-                _pointer(handle.recv_src_info) if zero_rows else 0,
+                pointer(handle.counts) if zero_rows else 0,
+                pointer(handle.recv_src_info) if zero_rows else 0,
                 0,
                 handle.recv_src_info.shape[0] if zero_rows else 0,
                 handle.num_tokens if zero_rows else 0,
-                _pointer(handle.routing) if zero_rows else 0,
-                _pointer(hybrid),
+                pointer(handle.routing) if zero_rows else 0,
+                pointer(hybrid),
                 1,
                 stream,
                 True,
@@ -1376,7 +1359,7 @@ class HighThroughputMixin:
         if any_strides:
             return
         if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {_describe(tensor)}")
+            raise ValueError(f"{name} must be contiguous, got strides {list(tensor.stride())} for {describe(tensor)}")
         if tensor.numel() > 0 and tensor.data_ptr() % 16 != 0:
             address = tensor.data_ptr()
             raise ValueError(
@@ -1388,7 +1371,7 @@ class HighThroughputMixin:
         if isinstance(x, torch.Tensor):
             self._check_tensor("x", x, device)
             if x.dtype != torch.bfloat16 or x.dim() != 2:
-                raise ValueError(f"x must be bfloat16 [T, H] or an (fp8, scales) pair, got {_describe(x)}")
+                raise ValueError(f"x must be bfloat16 [T, H] or an (fp8, scales) pair, got {describe(x)}")
             if x.shape[1] == 0 or x.shape[1] % 8 != 0:
                 raise ValueError(f"x hidden size must be a positive multiple of 8 (16-byte rows), got H={x.shape[1]}")
             return x, None
@@ -1400,7 +1383,7 @@ class HighThroughputMixin:
         # DeepEP V2 accepts): dispatch copies them to a packed tensor on the comm stream.
         self._check_tensor("x[1]", scales, device, any_strides=True)
         if data.dtype != torch.float8_e4m3fn or data.dim() != 2:
-            raise ValueError(f"x[0] must be float8_e4m3fn [T, H], got {_describe(data)}")
+            raise ValueError(f"x[0] must be float8_e4m3fn [T, H], got {describe(data)}")
         if data.shape[1] == 0 or data.shape[1] % FP8_GROUP_SIZE != 0:
             raise ValueError(
                 f"x[0] hidden size must be a positive multiple of {FP8_GROUP_SIZE} for fp8 (one scale per "
@@ -1418,7 +1401,7 @@ class HighThroughputMixin:
         ):
             raise ValueError(
                 f"x[1] (scales) must be float32 [T, H/128] or, with H % 512 == 0, int32 [T, H/512] (packed UE8M0 "
-                f"exponents, four per word): expected {expected}, got {_describe(scales)}"
+                f"exponents, four per word): expected {expected}, got {describe(scales)}"
             )
         return data, scales
 
@@ -1441,7 +1424,7 @@ class HighThroughputMixin:
             raise ValueError("topk_idx must be given unless handle= is passed (cached dispatch), got None")
         self._check_tensor("topk_idx", topk_idx, device)
         if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
-            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K] (T from x), got {_describe(topk_idx)}")
+            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K] (T from x), got {describe(topk_idx)}")
         num_topk = topk_idx.shape[1]
         sized_for = self.num_topk if getattr(self, "num_topk", 0) > 0 else MAX_TOPK
         if not 1 <= num_topk <= min(MAX_TOPK, sized_for):
@@ -1468,7 +1451,7 @@ class HighThroughputMixin:
             return
         self._check_tensor(name, weights, device)
         if weights.dtype != torch.float32 or tuple(weights.shape) != shape:
-            raise ValueError(f"{name} must be float32 {list(shape)}, got {_describe(weights)}")
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {describe(weights)}")
 
     def _check_bias(
         self, bias: Any, num_tokens: int, hidden: int, device: torch.device
@@ -1485,7 +1468,7 @@ class HighThroughputMixin:
             name = "bias" if isinstance(bias, torch.Tensor) else f"bias[{index}]"
             self._check_tensor(name, term, device)
             if term.dtype != torch.bfloat16 or list(term.shape) != [num_tokens, hidden]:
-                raise ValueError(f"{name} must be bfloat16 [{num_tokens}, {hidden}], got {_describe(term)}")
+                raise ValueError(f"{name} must be bfloat16 [{num_tokens}, {hidden}], got {describe(term)}")
             checked.append(term)
         checked += [None] * (2 - len(checked))
         return checked[0], checked[1]
@@ -1507,7 +1490,7 @@ class HighThroughputMixin:
         if topk_idx is not None:
             raise ValueError(
                 f"topk_idx must be None with handle= (cached dispatch reuses the handle's routing), got "
-                f"{_describe(topk_idx) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}"
+                f"{describe(topk_idx) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__}"
             )
         if do_cpu_sync:
             raise ValueError("do_cpu_sync=True cannot be used with handle= (a cached dispatch never syncs)")

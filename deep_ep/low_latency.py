@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from deep_ep import _C
+from deep_ep._util import describe_with_device, pointer
 from deep_ep.event import EventOverlap
 from deep_ep.failed_input import take_part_without_input
 from deep_ep.window import window_tensor
@@ -50,12 +51,6 @@ KERNEL_NAMES = ("ll_dispatch_kernel", "ll_combine_kernel")
 _ROW_ALIGNMENT = 16
 
 
-def _describe(tensor: Any) -> str:
-    if not isinstance(tensor, torch.Tensor):
-        return type(tensor).__name__
-    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} on {tensor.device}"
-
-
 def _require_tensor(name: str, value: Any, expected: str) -> None:
     """A wrong kind of object is a TypeError (docs/api.md); a tensor of the wrong dtype or shape is a ValueError."""
     if not isinstance(value, torch.Tensor):
@@ -68,10 +63,6 @@ def check_rank_to_mask(rank_to_mask: Any, num_ranks: int, own_rank: int) -> None
         raise ValueError(f"rank_to_mask must be a rank in [0, {num_ranks}), got {rank_to_mask!r}")
     if rank_to_mask == own_rank:
         raise ValueError(f"rank {rank_to_mask} cannot mask itself (its own experts are always present)")
-
-
-def _pointer(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
@@ -288,14 +279,14 @@ class LowLatencyMixin:
                 phases,
                 False,
                 round_scale,
-                _pointer(out_data),
-                _pointer(out_scales),
+                pointer(out_data),
+                pointer(out_scales),
                 scales_format,
                 recv_src_info.data_ptr(),
                 recv_layout_range.data_ptr(),
-                _pointer(cumulative_local_expert_recv_stats),
-                _pointer(dispatch_wait_recv_cost_stats),
-                _pointer(self._ll_rank_mask),
+                pointer(cumulative_local_expert_recv_stats),
+                pointer(dispatch_wait_recv_cost_stats),
+                pointer(self._ll_rank_mask),
             )
 
         def received() -> None:
@@ -379,9 +370,9 @@ class LowLatencyMixin:
                 stream.cuda_stream,
                 phases,
                 False,
-                _pointer(layout_range),
-                _pointer(combine_wait_recv_cost_stats),
-                _pointer(self._ll_rank_mask),
+                pointer(layout_range),
+                pointer(combine_wait_recv_cost_stats),
+                pointer(self._ll_rank_mask),
             )
 
         event, hook = self._ll_run(
@@ -446,7 +437,7 @@ class LowLatencyMixin:
         ):
             raise ValueError(
                 f"mask_status must be an int32 tensor of {self.num_ranks} elements on {self._torch_device}, "
-                f"got {_describe(mask_status)}"
+                f"got {describe_with_device(mask_status)}"
             )
         mask_status.view(-1).copy_(mask_tensor)
 
@@ -498,7 +489,7 @@ class LowLatencyMixin:
                     stream=stream,
                     phases=phases,
                     input_failed=True,
-                    rank_mask=_pointer(self._ll_rank_mask),
+                    rank_mask=pointer(self._ll_rank_mask),
                 )
 
         take_part_without_input(self, error, launch)
@@ -531,7 +522,7 @@ class LowLatencyMixin:
                     stream=stream,
                     phases=phases,
                     input_failed=True,
-                    rank_mask=_pointer(self._ll_rank_mask),
+                    rank_mask=pointer(self._ll_rank_mask),
                 )
 
         take_part_without_input(self, error, launch)
@@ -707,9 +698,9 @@ class LowLatencyMixin:
         kind = str(dtype).removeprefix("torch.")
         _require_tensor(name, value, f"{kind} [{length}]")
         if value.dtype != dtype or list(value.shape) != [length] or not value.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {kind} [{length}] tensor, got {_describe(value)}")
+            raise ValueError(f"{name} must be a contiguous {kind} [{length}] tensor, got {describe_with_device(value)}")
         if value.device != device:
-            raise ValueError(f"{name} must be on {device} (the buffer's device), got {_describe(value)}")
+            raise ValueError(f"{name} must be on {device} (the buffer's device), got {describe_with_device(value)}")
 
     # --------------------------------------------------------------- validation
 
@@ -746,30 +737,34 @@ class LowLatencyMixin:
         cap = self.num_max_dispatch_tokens_per_rank
         _require_tensor("x", x, f"bfloat16 [T, {self.hidden}]")
         if x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise ValueError(f"x must be bfloat16 [T, {self.hidden}], got {_describe(x)}")
+            raise ValueError(f"x must be bfloat16 [T, {self.hidden}], got {describe_with_device(x)}")
         num_tokens, hidden = x.shape
         if hidden % FP8_GROUP_SIZE != 0:
             raise ValueError(f"x hidden size must be a multiple of {FP8_GROUP_SIZE}, got H={hidden}")
         if hidden != self.hidden:
-            raise ValueError(f"x must be bfloat16 [T, {self.hidden}] (the buffer's hidden), got {_describe(x)}")
+            raise ValueError(
+                f"x must be bfloat16 [T, {self.hidden}] (the buffer's hidden), got {describe_with_device(x)}"
+            )
         if num_tokens > cap:
             raise ValueError(
                 f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={cap} "
                 "(the low-latency cap the buffer was sized for)"
             )
         if x.device != device:
-            raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
+            raise ValueError(f"x must be on {device} (the buffer's device), got {describe_with_device(x)}")
         _require_tensor("topk_idx", topk_idx, f"int64 [{num_tokens}, K]")
         if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
-            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K], got {_describe(topk_idx)}")
+            raise ValueError(f"topk_idx must be int64 [{num_tokens}, K], got {describe_with_device(topk_idx)}")
         num_topk = topk_idx.shape[1]
         if not 1 <= num_topk <= self.num_ll_topk:
             raise ValueError(
                 f"topk_idx must have 1 <= K <= {self.num_ll_topk} (the low-latency top-k the buffer was sized for), "
-                f"got {_describe(topk_idx)}"
+                f"got {describe_with_device(topk_idx)}"
             )
         if topk_idx.device != device:
-            raise ValueError(f"topk_idx must be on {device} (the buffer's device), got {_describe(topk_idx)}")
+            raise ValueError(
+                f"topk_idx must be on {device} (the buffer's device), got {describe_with_device(topk_idx)}"
+            )
         return num_tokens, num_topk
 
     def _ll_check_handle(self, handle: Any) -> None:
@@ -804,26 +799,30 @@ class LowLatencyMixin:
         expected = [num_local, self.num_ranks * self.num_max_dispatch_tokens_per_rank, self.hidden]
         _require_tensor("x", x, f"bfloat16 {expected}")
         if x.dtype != torch.bfloat16 or list(x.shape) != expected:
-            raise ValueError(f"x must be bfloat16 {expected} (like the dispatch's recv_x), got {_describe(x)}")
+            raise ValueError(
+                f"x must be bfloat16 {expected} (like the dispatch's recv_x), got {describe_with_device(x)}"
+            )
         if x.device != device:
-            raise ValueError(f"x must be on {device} (the buffer's device), got {_describe(x)}")
+            raise ValueError(f"x must be on {device} (the buffer's device), got {describe_with_device(x)}")
         shape = [handle.num_tokens, handle.num_topk]
         for name, tensor, dtype in (("topk_idx", topk_idx, torch.int64), ("topk_weights", topk_weights, torch.float32)):
             _require_tensor(name, tensor, f"{str(dtype).removeprefix('torch.')} {shape}")
             if tensor.dtype != dtype or list(tensor.shape) != shape:
                 raise ValueError(
                     f"{name} must be {str(dtype).removeprefix('torch.')} {shape} (the dispatch's T and K), "
-                    f"got {_describe(tensor)}"
+                    f"got {describe_with_device(tensor)}"
                 )
             if tensor.device != device:
-                raise ValueError(f"{name} must be on {device} (the buffer's device), got {_describe(tensor)}")
+                raise ValueError(
+                    f"{name} must be on {device} (the buffer's device), got {describe_with_device(tensor)}"
+                )
         if out is not None:
             out_shape = [handle.num_tokens, self.hidden]
             _require_tensor("out", out, f"bfloat16 {out_shape}")
             if out.dtype != torch.bfloat16 or list(out.shape) != out_shape:
-                raise ValueError(f"out must be bfloat16 {out_shape}, got {_describe(out)}")
+                raise ValueError(f"out must be bfloat16 {out_shape}, got {describe_with_device(out)}")
             if out.device != device or not out.is_contiguous() or out.data_ptr() % _ROW_ALIGNMENT != 0:
                 raise ValueError(
                     f"out must be contiguous, 16-byte aligned and on {device} (the buffer's device), "
-                    f"got {_describe(out)}"
+                    f"got {describe_with_device(out)}"
                 )

@@ -34,7 +34,7 @@ import torch
 from deep_ep import _C
 from deep_ep.autograd import expert_of_rows, kernel_input, valid_row_mask, zero_invalid_rows
 from deep_ep.handle import EPHandle
-from deep_ep.high_throughput import _counts_field_sizes, _counts_layout, worst_case_rows
+from deep_ep.high_throughput import counts_field_sizes, counts_layout, worst_case_rows
 
 __all__ = [
     "TensorHandle",
@@ -138,7 +138,7 @@ def _hybrid_layout(buffer: Any, num_tokens: Any, hidden: int, num_topk: int, num
 
 def _routing_ints(buffer: Any, num_tokens: Any, hidden: int, num_topk: int, num_experts: int, t_max: int) -> Any:
     num_local = num_experts // buffer.num_ranks
-    counts = _counts_layout(buffer.num_ranks, num_local)["total"]
+    counts = counts_layout(buffer.num_ranks, num_local)["total"]
     hybrid = _hybrid_layout(buffer, num_tokens, hidden, num_topk, num_experts, t_max)[0]
     return 4 * num_tokens * num_topk + counts + hybrid
 
@@ -177,7 +177,7 @@ def _unpack(
     num_local = num_experts // num_ranks
     routing = kernel_input(routing, torch.int32)
     entries = num_tokens * num_topk
-    counts_total = _counts_layout(num_ranks, num_local)["total"]
+    counts_total = counts_layout(num_ranks, num_local)["total"]
     hybrid_ints, num_nodes, home_node, row_bytes = _hybrid_layout(
         buffer, num_tokens, hidden, num_topk, num_experts, t_max
     )
@@ -192,7 +192,7 @@ def _unpack(
     dst_slot = routing[3 * entries : 4 * entries].view(num_tokens, num_topk)
     counts = routing[4 * entries : 4 * entries + counts_total]
     recv_per_source, psum_per_source, expert_offsets, unaligned, expert_start, psum_per_expert = counts.split(
-        _counts_field_sizes(num_ranks, num_local)
+        counts_field_sizes(num_ranks, num_local)
     )
     hybrid = routing[4 * entries + counts_total :] if hybrid_ints else None
     num_rows, num_expanded = worst_case_rows(num_ranks, t_max, num_topk, num_experts, expert_alignment)
@@ -594,9 +594,9 @@ def _fail(buffer: Any, operation: str, error: Exception, **details: Any) -> None
     """Raise ``error``; in eager mode after taking part in the operation without data (the peers
     are in the collective). Under torch.compile this runs at trace time, before any collective."""
     if not torch.compiler.is_compiling():
-        from deep_ep.autograd import _take_part_and_raise
+        from deep_ep.autograd import take_part_and_raise
 
-        _take_part_and_raise(buffer, operation, error, **details)
+        take_part_and_raise(buffer, operation, error, **details)
     raise error
 
 

@@ -85,6 +85,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import _C
+from deep_ep._util import cuda_event, describe_with_device
 from deep_ep.buffer import ElasticBuffer
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap, event_or_none, stream_capturing
@@ -224,9 +225,9 @@ def dispatch_layout(
 def _check_layout_inputs(topk_idx: Any, num_experts: Any, num_ranks: int, num_ranks_per_node: int | None) -> int:
     """Validate :func:`dispatch_layout`'s arguments; returns the ranks per node."""
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-        raise ValueError(f"topk_idx must be a [T, K] tensor, got {_describe(topk_idx)}")
+        raise ValueError(f"topk_idx must be a [T, K] tensor, got {describe_with_device(topk_idx)}")
     if topk_idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"topk_idx must be int64 (or int32), got {_describe(topk_idx)}")
+        raise ValueError(f"topk_idx must be int64 (or int32), got {describe_with_device(topk_idx)}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if num_experts % num_ranks != 0:
@@ -356,12 +357,6 @@ def sass_architectures(path: str) -> frozenset[int]:
         return frozenset()
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)} on {value.device}"
-    return type(value).__name__
-
-
 @functools.cache
 def _config_module() -> Any:
     """deep_ep.config (V1 ``Config`` and size hints, written separately) if present, else None."""
@@ -387,10 +382,6 @@ def _tuned_config(name: str, num_ranks: int) -> Any:
     if "num_sms" in inspect.signature(function).parameters:
         return function(num_ranks, num_sms=Buffer.num_sms)
     return function(num_ranks)
-
-
-def _cuda_event(event: Any) -> torch.cuda.Event:
-    return event.event if isinstance(event, EventOverlap) else event
 
 
 # --------------------------------------------------------------------------------------- handle
@@ -590,7 +581,8 @@ class LowLatencyDispatchHandle(tuple):
     def __repr__(self) -> str:
         return (
             f"LowLatencyDispatchHandle(num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
-            f"num_experts={self[4]}, src_info={_describe(self[0])}, layout_range={_describe(self[1])})"
+            f"num_experts={self[4]}, src_info={describe_with_device(self[0])}, "
+            f"layout_range={describe_with_device(self[1])})"
         )
 
 
@@ -798,7 +790,7 @@ class Buffer:
         if previous_event is None:
             return (data, scales.contiguous())
         comm = self._core.get_comm_stream()
-        comm.wait_event(_cuda_event(previous_event))
+        comm.wait_event(cuda_event(previous_event))
         with torch.cuda.stream(comm):
             return (data, scales.contiguous())
 
@@ -820,9 +812,9 @@ class Buffer:
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {_describe(value)}")
+                raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {describe_with_device(value)}")
         if is_token_in_rank is not None and is_token_in_rank.dtype != torch.bool:
-            raise ValueError(f"is_token_in_rank must be bool [T, R], got {_describe(is_token_in_rank)}")
+            raise ValueError(f"is_token_in_rank must be bool [T, R], got {describe_with_device(is_token_in_rank)}")
         nodes = self._core.num_scaleout_ranks
         if num_tokens_per_rdma_rank is not None and nodes > 1:
             if not isinstance(num_tokens_per_rdma_rank, torch.Tensor) or tuple(num_tokens_per_rdma_rank.shape) != (
@@ -830,7 +822,7 @@ class Buffer:
             ):
                 raise ValueError(
                     f"num_tokens_per_rdma_rank must be a tensor of shape [{nodes}] (nodes), got "
-                    f"{_describe(num_tokens_per_rdma_rank)}"
+                    f"{describe_with_device(num_tokens_per_rdma_rank)}"
                 )
 
     def _too_small(self, num_tokens: int, hidden: int, num_topk: int, use_fp8: bool) -> BufferTooSmallError:
@@ -870,7 +862,8 @@ class Buffer:
         self._check_stream_options(previous_event)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.device != core._torch_device:
             raise ValueError(
-                f"topk_idx must be a tensor on this buffer's device {core._torch_device}, got {_describe(topk_idx)}"
+                f"topk_idx must be a tensor on this buffer's device {core._torch_device}, "
+                f"got {describe_with_device(topk_idx)}"
             )
         nodes = core.num_scaleout_ranks
         per_node = core.num_scaleup_ranks if nodes > 1 else None
@@ -881,7 +874,7 @@ class Buffer:
             core, work_on_comm=True, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
         )
         if previous_event is not None:
-            streams.comm.wait_event(_cuda_event(previous_event))
+            streams.comm.wait_event(cuda_event(previous_event))
         else:
             streams.comm.wait_stream(streams.compute)
         device = topk_idx.device
@@ -974,7 +967,7 @@ class Buffer:
                 num_experts = int(num_tokens_per_expert.shape[0])
             elif num_tokens_per_expert is not None:
                 raise ValueError(
-                    f"num_tokens_per_expert must be a 1-D tensor [E], got {_describe(num_tokens_per_expert)}"
+                    f"num_tokens_per_expert must be a 1-D tensor [E], got {describe_with_device(num_tokens_per_expert)}"
                 )
             else:
                 raise ValueError(
@@ -992,9 +985,11 @@ class Buffer:
             data = x[0] if isinstance(x, (tuple, list)) else x
             use_fp8 = isinstance(x, (tuple, list))
             if not isinstance(data, torch.Tensor) or data.dim() != 2:
-                raise ValueError(f"x must be bf16 [T, H] or an (fp8 [T, H], scales) pair, got {_describe(data)}")
+                raise ValueError(
+                    f"x must be bf16 [T, H] or an (fp8 [T, H], scales) pair, got {describe_with_device(data)}"
+                )
             if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-                raise ValueError(f"topk_idx must be int64 [T, K], got {_describe(topk_idx)}")
+                raise ValueError(f"topk_idx must be int64 [T, K], got {describe_with_device(topk_idx)}")
             num_tokens, hidden = data.shape
             num_topk = topk_idx.shape[1]
             self._check_layout_arguments(
@@ -1071,7 +1066,7 @@ class Buffer:
         ):
             raise ValueError(
                 f"a dispatch without topk_idx routes by is_token_in_rank, which must be bool [T, {num_ranks}], "
-                f"got {_describe(is_token_in_rank)}"
+                f"got {describe_with_device(is_token_in_rank)}"
             )
         if num_ranks > _C.MAX_TOPK:
             raise ValueError(
@@ -1314,7 +1309,7 @@ class Buffer:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor (bfloat16 [T, H]), got {type(x).__name__}")
         if x.dim() != 2:
-            raise ValueError(f"x must be bfloat16 [T, H], got {_describe(x)}")
+            raise ValueError(f"x must be bfloat16 [T, H], got {describe_with_device(x)}")
         return self._check_low_latency_window(num_max_dispatch_tokens_per_rank, int(x.shape[1]), num_experts)
 
     def _check_low_latency_window(self, num_max_dispatch_tokens_per_rank: Any, hidden: Any, num_experts: Any) -> tuple:

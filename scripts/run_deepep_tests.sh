@@ -41,7 +41,7 @@ EXPERTS=$(( 8 * RANKS ))
 
 source "$repo/scripts/mps_env.sh"  # the ranks find the MPS daemon through it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# Ranks sharing a GPU load every kernel module up front (deep_ep/testing/launcher.py says why).
+# Ranks sharing a GPU load every kernel module up front (deep_ep/testing/rank_process.py says why).
 export CUDA_MODULE_LOADING=EAGER
 export MASTER_ADDR=127.0.0.1
 unset EP_EMULATE_RANKS_PER_NODE

@@ -5,7 +5,7 @@ A fresh launch (launcher.launch) starts one process per rank: Python, torch, CUD
 and, for ranks sharing a GPU, every CUDA module loaded eagerly. With the pool, a launch sends its
 function to the same rank processes, each running it in a torch process group of its own (a new
 file store per launch). A two-rank launch of a function that only synchronises took 1.65 s fresh
-and 0.21 s pooled on a 2-core machine without a GPU (2026-12-03); on one H200 a 2-rank step of
+and 0.21 s pooled on a 2-core machine without a GPU; on one H200 a 2-rank step of
 five GPU suites (30 tests) took 29 s pooled against 74 s fresh. scripts/gpu_check.sh pools by default.
 
 What a launch sees is what a fresh process would: the caller's environment at the time of the launch
@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from deep_ep.testing import launcher
+from deep_ep.testing import rank_process
 
 POOL_ENV = "EP_TEST_POOL"
 
@@ -60,11 +60,11 @@ def _reset_torch_state() -> None:
 
 def _pool_worker(rank: int, num_ranks: int, store_dir: str, tasks: Any, results: Any) -> None:
     """One rank of the pool: run each task (init method, caller's environment, fn, args) until None."""
-    os.environ.update(launcher.SAFE_ENV)
-    launcher._register_stack_dump(store_dir, rank)
+    os.environ.update(rank_process.SAFE_ENV)
+    rank_process.register_stack_dump(store_dir, rank)
     # The variables this process was started with that the caller's environment must not override
     # (the launcher's module-loading choice is fixed at the process's start).
-    own = {name: os.environ[name] for name in (launcher.MODULE_LOADING_ENV,) if name in os.environ}
+    own = {name: os.environ[name] for name in (rank_process.MODULE_LOADING_ENV,) if name in os.environ}
     setup = None
     while True:
         task = tasks.get()
@@ -73,15 +73,15 @@ def _pool_worker(rank: int, num_ranks: int, store_dir: str, tasks: Any, results:
         init_method, environment, fn, args = task
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update({**environment, **launcher.SAFE_ENV, **own})
+        os.environ.update({**environment, **rank_process.SAFE_ENV, **own})
         try:
             if setup is None:
-                setup = launcher._setup_rank(rank, num_ranks, results)
+                setup = rank_process.setup_rank(rank, num_ranks, results)
                 if setup is None:
                     return  # CUDA not ready: reported, and this process is done
-            launcher._run_rank(rank, num_ranks, init_method, setup, fn, args, results)
+            rank_process.run_rank(rank, num_ranks, init_method, setup, fn, args, results)
         except BaseException:  # noqa: BLE001 - every failure goes back to the caller
-            launcher._report_failure(rank, results)
+            rank_process.report_failure(rank, results)
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -110,7 +110,7 @@ class RankPool:
             )
             for rank in range(num_ranks)
         ]
-        with launcher._child_environment(self.overrides):
+        with rank_process.child_environment(self.overrides):
             for process in self.processes:
                 process.start()
 
@@ -123,13 +123,13 @@ class RankPool:
         )
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_secs: float) -> list[Any]:
-        """Every rank's ``fn(rank, num_ranks, group, *args)`` (raises as launcher._collect does)."""
-        store_dir, init_method = launcher._new_store()
+        """Every rank's ``fn(rank, num_ranks, group, *args)`` (raises as rank_process.collect does)."""
+        store_dir, init_method = rank_process.new_store()
         environment = dict(os.environ)
         try:
             for queue in self.tasks:
                 queue.put((init_method, environment, fn, args))
-            return launcher._collect(self.processes, self.results, timeout_secs, (), self.store_dir)
+            return rank_process.collect(self.processes, self.results, timeout_secs, (), self.store_dir)
         finally:
             shutil.rmtree(store_dir, ignore_errors=True)
 
@@ -142,7 +142,7 @@ class RankPool:
                 pass
         for process in self.processes:
             process.join(timeout=5)
-        launcher._end(self.processes)
+        rank_process.end_processes(self.processes)
         shutil.rmtree(self.store_dir, ignore_errors=True)
 
     @property

@@ -12,13 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from deep_ep._util import align_up, describe
 from deep_ep.testing.reference_inputs import (
     GroupInputs,
     TokenInput,
-    align_up,
     check_group,
     check_topk_idx,
-    describe,
     local_expert_ids,
     num_local_experts,
     sanitize_topk_idx,

@@ -9,17 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deep_ep._util import describe
 from deep_ep.fp8 import FP8_GROUP_SIZE
 
 TokenInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-def describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-
-
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
 
 
 def as_bytes_if_fp8(payload: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
+from deep_ep._util import describe
 from deep_ep.fp8 import FP8_GROUP_SIZE, per_token_cast_to_fp8
 from deep_ep.testing.reference_inputs import (
     as_bytes_if_fp8,
     check_topk_idx,
-    describe,
     num_local_experts,
     sanitize_topk_idx,
 )

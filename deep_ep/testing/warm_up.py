@@ -4,7 +4,7 @@ Ranks that share a GPU run under MPS. Loading a kernel module may wait for the G
 kernels to finish (CUDA's documentation on lazy loading: "loading kernels might require context
 synchronization"), and under MPS that includes the peers' kernels. A peer whose dispatch spins
 until this rank sends therefore blocks this rank's first matmul until the peer's wait deadline
-(measured, 2026-12-02, one H200, 4 ranks: the example MoE layer's first expert GEMMs stalled one
+(measured on one H200, 4 ranks: the example MoE layer's first expert GEMMs stalled one
 rank for exactly the 10 s deadline, after the other ranks' combine kernels had started). The
 library loads its own kernels when a buffer is built and the launcher sets CUDA_MODULE_LOADING=EAGER,
 but cuBLAS / cuBLASLt load a kernel's module when a call first needs it, and they pick kernels by

@@ -93,9 +93,9 @@ def _visible_gpu_count() -> int:
 
 def _prepare_shared_gpu_process() -> None:
     """Environment for ranks sharing a GPU, set before CUDA starts in this process: every kernel
-    module loaded eagerly (deep_ep.testing.launcher explains the lazy-loading stall under MPS;
+    module loaded eagerly (deep_ep.testing.rank_process explains the lazy-loading stall under MPS;
     ``EP_LAUNCH_MODULE_LOADING`` overrides the mode)."""
-    from deep_ep.testing.launcher import MODULE_LOADING_ENV, MODULE_LOADING_OVERRIDE_ENV
+    from deep_ep.testing.rank_process import MODULE_LOADING_ENV, MODULE_LOADING_OVERRIDE_ENV
 
     if torch.cuda.is_initialized():
         return
@@ -154,7 +154,7 @@ def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> tuple[int
 
     NVLink multicast is left off (``NCCL_NVLS_ENABLE=0`` and the like, unless already set).
     """
-    from deep_ep.testing.launcher import SAFE_ENV, cap_cached_memory
+    from deep_ep.testing.rank_process import SAFE_ENV, cap_cached_memory
     from deep_ep.testing.warm_up import warm_up_cuda_libraries
 
     ip = os.getenv("MASTER_ADDR", _ENV_DEFAULTS["MASTER_ADDR"])

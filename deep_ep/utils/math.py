@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from deep_ep import fp8
+from deep_ep._util import describe
 
 __all__ = [
     "align",
@@ -75,10 +76,6 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return (1 - similarity).item()
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-
-
 def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` (bf16, fp16 or fp32 ``[m, n]``, any ``n``) per token and 128-channel group.
 
@@ -88,7 +85,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dim() != 2 or x.dtype not in _CAST_DTYPES:
-        raise ValueError(f"x must be a 2-D bfloat16, float16 or float32 tensor [m, n], got {_describe(x)}")
+        raise ValueError(f"x must be a 2-D bfloat16, float16 or float32 tensor [m, n], got {describe(x)}")
     num_tokens, hidden = x.shape
     padded_hidden = align(hidden, _GROUP)
     values = x if x.dtype != torch.float16 else x.float()
@@ -113,11 +110,11 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     if not isinstance(x_fp8, torch.Tensor) or not isinstance(x_scales, torch.Tensor):
         raise TypeError(f"x_fp8 and x_scales must be tensors, got {type(x_fp8).__name__} and {type(x_scales).__name__}")
     if x_fp8.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"x_fp8 must be float8_e4m3fn, got {_describe(x_fp8)}")
+        raise ValueError(f"x_fp8 must be float8_e4m3fn, got {describe(x_fp8)}")
     if x_fp8.numel() == 0:
         return x_fp8.to(torch.bfloat16)
     if x_fp8.dim() != 2:
-        raise ValueError(f"x_fp8 must be 2-D [m, n], got {_describe(x_fp8)}")
+        raise ValueError(f"x_fp8 must be 2-D [m, n], got {describe(x_fp8)}")
     num_tokens, hidden = x_fp8.shape
     padded_hidden = align(hidden, _GROUP)
     num_groups = padded_hidden // _GROUP
@@ -140,24 +137,24 @@ def _scales_by_contents(x_scales: torch.Tensor, num_tokens: int, num_groups: int
             return x_scales.reshape(num_tokens, num_groups)
         raise ValueError(
             f"scales must hold {num_tokens} x {num_groups} float32 values ([m, ceil(n / 128)]), "
-            f"got {_describe(x_scales)}"
+            f"got {describe(x_scales)}"
         )
     if x_scales.dtype == torch.int32:
         if 4 * x_scales.numel() != num_tokens * num_groups:
             raise ValueError(
                 f"packed UE8M0 scales must hold {num_tokens} x {num_groups} exponent bytes (four per int32: "
-                f"{num_tokens * num_groups / 4:g} ints), got {_describe(x_scales)}"
+                f"{num_tokens * num_groups / 4:g} ints), got {describe(x_scales)}"
             )
         # unpack_ue8m0 reads its input byte by byte, so the bytes in token rows unpack as they are.
         return fp8.unpack_ue8m0(x_scales.reshape(-1).view(torch.uint8).reshape(num_tokens, num_groups))
-    raise ValueError(f"x_scales must be float32 or int32 (packed UE8M0), got {_describe(x_scales)}")
+    raise ValueError(f"x_scales must be float32 or int32 (packed UE8M0), got {describe(x_scales)}")
 
 
 def inplace_unique(x: torch.Tensor, num_slots: int) -> None:
     """Rewrite each row of ``x`` (integer ``[rows, cols]``, negatives = empty) in place as its
     distinct values in ``[0, num_slots)``, in descending order, then ``-1`` padding."""
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, cols], got {_describe(x)}")
+        raise ValueError(f"x must be 2-D [rows, cols], got {describe(x)}")
     present = torch.zeros((x.shape[0], num_slots + 1), dtype=torch.bool, device=x.device)
     present.scatter_(1, x.masked_fill(x < 0, num_slots).long(), True)
     slots = torch.arange(num_slots, device=x.device, dtype=x.dtype).expand(x.shape[0], num_slots)

@@ -27,9 +27,10 @@ import torch
 
 import deep_ep.autograd as ep_autograd
 import deep_ep.ops as ep_ops
+from deep_ep._util import align_up
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
-from deep_ep.high_throughput import _counts_layout
+from deep_ep.high_throughput import counts_layout
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch, sanitize_topk_idx
 from deep_ep.testing.reference_experts import (
@@ -40,7 +41,6 @@ from deep_ep.testing.reference_experts import (
     step_loss,
     step_results,
 )
-from deep_ep.testing.reference_inputs import align_up
 
 # ---------------------------------------------------------------------------------------------- fake group
 
@@ -182,7 +182,7 @@ class FakeBuffer:
         if cached:
             return recv_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
 
-        layout = _counts_layout(self.num_ranks, num_local)
+        layout = counts_layout(self.num_ranks, num_local)
         counts = torch.zeros(layout["total"], dtype=torch.int32)
         per_source = torch.tensor(ref["num_recv_tokens_per_rank"], dtype=torch.int32)
         unaligned = torch.tensor(ref["num_recv_tokens_per_expert"], dtype=torch.int32)
@@ -569,7 +569,7 @@ def test_fake_shapes_are_the_worst_case(do_expand):
         assert (
             recv_w.shape == ((num_expanded,) if do_expand else (num_rows, num_topk)) and recv_w.dtype == torch.float32
         )
-        counts_total = _counts_layout(num_ranks, num_local)["total"]
+        counts_total = counts_layout(num_ranks, num_local)["total"]
         assert routing.shape == (4 * 10 * num_topk + counts_total,) and routing.dtype == torch.int32
         assert metadata.shape == (num_rows, 4) and metadata.dtype == torch.int32
         assert expanded.shape == ((num_rows, num_topk) if do_expand else (0, num_topk))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deep_ep.handle import EPHandle
-from deep_ep.high_throughput import HighThroughputMixin, _counts_field_sizes, _counts_layout
+from deep_ep.high_throughput import HighThroughputMixin, counts_field_sizes, counts_layout
 
 
 def _handle(do_expand: bool) -> EPHandle:
@@ -162,10 +162,10 @@ def test_combine_refuses_a_handle_of_another_buffer_before_touching_tensors():
 @pytest.mark.parametrize(("num_ranks", "num_local"), [(1, 1), (2, 128), (8, 32), (64, 4)])
 def test_handle_counts_fields_are_packed_back_to_back(num_ranks, num_local):
     # dispatch splits one allocation into these views, in this order.
-    sizes = _counts_field_sizes(num_ranks, num_local)
+    sizes = counts_field_sizes(num_ranks, num_local)
     ranks, local = num_ranks, num_local
     assert sizes == (ranks, ranks, ranks * local, local, local, local)
-    assert sum(sizes) == _counts_layout(num_ranks, num_local)["total"]
+    assert sum(sizes) == counts_layout(num_ranks, num_local)["total"]
 
 
 # --------------------------------------------------------------------------- fp8 input scales

@@ -107,9 +107,9 @@ def _rank_zero_fails_while_rank_one_hangs(rank, num_ranks, group):
 
 
 def test_a_failure_reports_the_stacks_of_ranks_that_neither_failed_nor_finished(monkeypatch):
-    from deep_ep.testing import launcher
+    from deep_ep.testing import rank_process
 
-    monkeypatch.setattr(launcher, "OTHER_FAILURES_GRACE_SECS", 2.0)
+    monkeypatch.setattr(rank_process, "OTHER_FAILURES_GRACE_SECS", 2.0)
     with pytest.raises(RankError) as info:
         launch(_rank_zero_fails_while_rank_one_hangs, 2, timeout_secs=60)
     assert info.value.rank == 0
@@ -120,17 +120,17 @@ def test_a_failure_reports_the_stacks_of_ranks_that_neither_failed_nor_finished(
 def test_ranks_sharing_a_gpu_load_modules_eagerly_unless_the_caller_chose(monkeypatch):
     import os
 
-    from deep_ep.testing import launcher
+    from deep_ep.testing import rank_process
 
     monkeypatch.delenv("EP_LAUNCH_MODULE_LOADING", raising=False)
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # what `import torch` sets when it is unset
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "EAGER"}
-    assert launcher._module_loading_for(1) == {}
+    assert rank_process.module_loading_for(2) == {"CUDA_MODULE_LOADING": "EAGER"}
+    assert rank_process.module_loading_for(1) == {}
     monkeypatch.setenv("EP_LAUNCH_MODULE_LOADING", "LAZY")
-    assert launcher._module_loading_for(2) == {"CUDA_MODULE_LOADING": "LAZY"}
+    assert rank_process.module_loading_for(2) == {"CUDA_MODULE_LOADING": "LAZY"}
     monkeypatch.delenv("CUDA_MODULE_LOADING")
-    with launcher._child_environment({"CUDA_MODULE_LOADING": "EAGER"}):
+    with rank_process.child_environment({"CUDA_MODULE_LOADING": "EAGER"}):
         assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
     assert "CUDA_MODULE_LOADING" not in os.environ

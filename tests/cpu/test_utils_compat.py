@@ -128,7 +128,7 @@ def _init_dist_choices(monkeypatch, num_gpus: int, local_rank: int, num_local_ra
     """What init_dist asks of torch with ``num_gpus`` GPUs, up to the process group's creation."""
     import torch.distributed as dist
 
-    import deep_ep.testing.launcher as launcher
+    import deep_ep.testing.rank_process as rank_process
 
     seen: dict = {"set_device": [], "cap": []}
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
@@ -140,7 +140,7 @@ def _init_dist_choices(monkeypatch, num_gpus: int, local_rank: int, num_local_ra
     monkeypatch.setattr(envs, "_visible_gpu_count", lambda: num_gpus)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen["set_device"].append(device))
-    monkeypatch.setattr(launcher, "cap_cached_memory", lambda *args: seen["cap"].append(args))
+    monkeypatch.setattr(rank_process, "cap_cached_memory", lambda *args: seen["cap"].append(args))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.setdefault("threads", n))
 
     def fake_init_process_group(**params):
