@@ -13,7 +13,8 @@ from importlib import metadata as _metadata  # noqa: E402
 
 from deep_ep import utils  # noqa: E402
 from deep_ep.buffer import ElasticBuffer  # noqa: E402
-from deep_ep.config import (  # noqa: E402
+from deep_ep.compat.buffer import Buffer  # noqa: E402  (DeepEP V1's API over an ElasticBuffer)
+from deep_ep.compat.config import (  # noqa: E402
     Config,
     get_combine_config,
     get_dispatch_config,
@@ -26,7 +27,6 @@ from deep_ep.fp8 import per_token_cast_back, per_token_cast_to_fp8  # noqa: E402
 from deep_ep.handle import EPHandle  # noqa: E402
 from deep_ep.low_latency import LowLatencyHandle  # noqa: E402
 from deep_ep.utils import EventHandle  # noqa: E402
-from deep_ep.v1_buffer import Buffer  # noqa: E402  (DeepEP V1's API over an ElasticBuffer)
 
 # dtype of top-k expert indices everywhere in the API (DeepEP V1 exposes the same name).
 topk_idx_t = torch.int64

@@ -1,5 +1,5 @@
 """Reference of DeepEP V1's ``get_dispatch_layout``, written as plain loops (independent of the
-tensor formulation in ``deep_ep.v1_buffer.dispatch_layout`` it checks)."""
+tensor formulation in ``deep_ep.compat.layout.dispatch_layout`` it checks)."""
 
 import torch
 

@@ -90,7 +90,9 @@ def _rank_one_sleeps_in_a_named_function(rank, num_ranks, group):
 
 def test_launch_timeout_reports_the_stuck_ranks_python_stack():
     with pytest.raises(TimeoutError) as info:
-        launch(_rank_one_sleeps_in_a_named_function, 2, timeout_secs=3)
+        # The limit covers the processes' start (spawn, torch import, process group): seconds on a
+        # busy 2-core machine, so rank 0 gets room to finish while rank 1 never does.
+        launch(_rank_one_sleeps_in_a_named_function, 2, timeout_secs=15)
     message = str(info.value)
     assert "ranks [1] did not finish" in message
     assert "--- rank 1 stacks ---" in message

@@ -88,8 +88,9 @@ def test_a_failure_ends_the_pool_and_the_next_launch_starts_fresh_processes():
 
 
 def test_a_timeout_names_the_stuck_rank_with_its_stack_and_ends_the_pool():
+    launch(_pid_and_sum, 2)  # the pool's processes started: the limit below covers the run only
     with pytest.raises(TimeoutError) as info:
-        launch(_rank_one_hangs, 2, timeout_secs=3)
+        launch(_rank_one_hangs, 2, timeout_secs=5)
     assert "ranks [1] did not finish" in str(info.value)
     assert "_rank_one_hangs" in str(info.value)
     assert rank_pool.pool_pids() == []

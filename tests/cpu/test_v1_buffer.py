@@ -1,4 +1,4 @@
-"""The DeepEP-V1 façade ``deep_ep.v1_buffer``: everything that runs without a GPU (sizing rule,
+"""The DeepEP-V1 façade ``deep_ep.compat``: everything that runs without a GPU (sizing rule,
 refused options, layout, V1 output meanings, handle indexing, and the low-latency calls over a
 recording stand-in for the cores: lazy LL window, sizing errors, argument routing, refusals)."""
 
@@ -10,31 +10,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import deep_ep.v1_buffer as v1_buffer
+import deep_ep.compat.buffer as compat_buffer
+import deep_ep.compat.streams as compat_streams
 from deep_ep import _C
 from deep_ep.buffer import ElasticBuffer
+from deep_ep.compat.buffer import Buffer, check_unbacked_options
+from deep_ep.compat.capacity import bytes_for_tokens, low_latency_window_bytes, token_capacity, window_num_bytes
+from deep_ep.compat.handles import DispatchHandle, LowLatencyDispatchHandle
+from deep_ep.compat.layout import dispatch_layout
+from deep_ep.compat.outputs import fit_rows, mask_rows_past, v1_dispatch_outputs, zero_foreign_weights
+from deep_ep.compiled_archs import sass_architectures
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle
 from deep_ep.testing.reference_layout import dispatch_layout_by_loops
-from deep_ep.v1_buffer import (
-    Buffer,
-    DispatchHandle,
-    LowLatencyDispatchHandle,
-    _config_module,
-    bytes_for_tokens,
-    check_unbacked_options,
-    dispatch_layout,
-    fit_rows,
-    low_latency_window_bytes,
-    mask_rows_past,
-    sass_architectures,
-    token_capacity,
-    v1_dispatch_outputs,
-    window_num_bytes,
-    zero_foreign_weights,
-)
 
 MIB = 1 << 20
 
@@ -240,14 +230,16 @@ def test_layout_arguments_are_checked_for_shape():
         hybrid._check_layout_arguments(5, 8, None, torch.zeros(4, dtype=torch.int32), None)
 
 
-def test_config_helpers_delegate_to_deep_ep_config():
-    if _config_module() is None:
-        with pytest.raises(NotImplementedError, match="deep_ep.config.get_dispatch_config"):
-            Buffer.get_dispatch_config(8)
-        with pytest.raises(NotImplementedError, match="deep_ep.config.get_combine_config"):
-            Buffer.get_combine_config(8)
-    else:
-        assert Buffer.get_dispatch_config(8) is not None
+def test_config_helpers_are_v1s_tables_at_buffer_num_sms(monkeypatch):
+    from deep_ep.compat import config as v1_config
+
+    monkeypatch.setattr(Buffer, "num_sms", 24)
+    assert vars(Buffer.get_dispatch_config(8)) == vars(v1_config.get_dispatch_config(8, num_sms=24))
+    assert vars(Buffer.get_combine_config(8)) == vars(v1_config.get_combine_config(8, num_sms=24))
+    assert Buffer.get_dispatch_config(8).num_sms == 24
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == v1_config.get_low_latency_rdma_size_hint(
+        128, 7168, 8, 256
+    )
 
 
 def test_sm90_build_info_comes_from_the_extension_fatbin():
@@ -586,9 +578,7 @@ def test_refused_dispatch_takes_part_without_data_then_raises(kwargs, error, wor
 
 
 def test_a_cpu_synced_dispatch_refuses_cuda_graph_capture_before_the_core_runs(monkeypatch):
-    import deep_ep.v1_buffer
-
-    monkeypatch.setattr(deep_ep.v1_buffer, "stream_capturing", lambda: True)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: True)
     buffer = _recording_buffer()
     topk_idx, layout = _layout()
     with pytest.raises(RuntimeError, match="without num_worst_tokens cannot be captured in a CUDA graph"):
@@ -688,9 +678,9 @@ def test_gather_rank_prefix_matrix_over_a_one_rank_gloo_group(tmp_path):
 
 
 def test_v1_size_hints_leave_room_for_the_tokens_they_size_for(monkeypatch):
-    """A client sizing with deep_ep.config's hints (V1's recipe) gets at least the token count the
+    """A client sizing with deep_ep.compat.config's hints (V1's recipe) gets at least the token count the
     hints were computed for (their documented mapping: num_sms / 2 x the NVL receive chunk)."""
-    config = pytest.importorskip("deep_ep.config")
+    config = pytest.importorskip("deep_ep.compat.config")
     monkeypatch.delenv(getattr(config, "TOKENS_ENV", "EP_V1_NUM_MAX_TOKENS_PER_RANK"), raising=False)
     monkeypatch.setattr(Buffer, "num_sms", 20)
     for num_ranks in (2, 4, 8, 16):
@@ -851,11 +841,11 @@ class _Group:
 
 @pytest.fixture
 def fake_cores(monkeypatch):
-    """deep_ep.v1_buffer.ElasticBuffer replaced by the recorder; the group exchange answers with this
+    """deep_ep.compat.buffer.ElasticBuffer replaced by the recorder; the group exchange answers with this
     rank's item for every rank unless a test sets ``peers`` (the items of the others, by rank)."""
     _RecordingLowLatencyCore.built = []
-    monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
+    monkeypatch.setattr(compat_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: False)
     state = SimpleNamespace(exchanged=[], peers=None, built=_RecordingLowLatencyCore.built)
 
     def exchange(self, item):
@@ -1000,14 +990,14 @@ def test_first_call_arguments_that_cannot_size_a_window_are_refused_after_the_ex
 
 def test_first_call_inside_graph_capture_raises_before_anything(fake_cores, monkeypatch):
     buffer = _ll_buffer()
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: True)
     x, topk_idx = _ll_inputs()
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
     assert fake_cores.exchanged == [] and buffer._ll_core is None
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: False)
     buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: True)
     buffer.low_latency_dispatch(x, topk_idx, LL_T, LL_E)  # once built, LL calls may be captured
 
 
@@ -1148,8 +1138,8 @@ def test_the_first_call_exchanges_over_a_one_rank_gloo_group(tmp_path, monkeypat
     import torch.distributed as dist
 
     _RecordingLowLatencyCore.built = []
-    monkeypatch.setattr(v1_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
+    monkeypatch.setattr(compat_buffer, "ElasticBuffer", _RecordingLowLatencyCore)
+    monkeypatch.setattr(compat_buffer, "stream_capturing", lambda: False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         buffer = Buffer(dist.group.WORLD, 0, low_latency_window_bytes(LL_T, LL_H, 1, LL_E), low_latency_mode=True)
@@ -1181,15 +1171,15 @@ def test_masks_set_before_the_first_low_latency_call_are_applied_to_the_window_i
 
 
 def test_tensors_allocated_on_the_comm_stream_are_handed_over_unless_capturing(monkeypatch):
-    # _Streams without a device: the two streams are stand-ins, the tensors record what they get.
-    streams = object.__new__(v1_buffer._Streams)
+    # Streams without a device: the two streams are stand-ins, the tensors record what they get.
+    streams = object.__new__(compat_streams.Streams)
     streams.compute, streams.comm = object(), object()
     streams.alloc = streams.work = streams.comm
     handed = []
     streams.allocated = [SimpleNamespace(record_stream=handed.append)]
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: True)
+    monkeypatch.setattr(compat_streams, "stream_capturing", lambda: True)
     streams.hand_over()
     assert handed == []  # record_stream is not allowed inside capture
-    monkeypatch.setattr(v1_buffer, "stream_capturing", lambda: False)
+    monkeypatch.setattr(compat_streams, "stream_capturing", lambda: False)
     streams.hand_over()
     assert handed == [streams.compute]

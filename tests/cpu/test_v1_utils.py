@@ -11,7 +11,7 @@ import torch
 
 import deep_ep
 from deep_ep import _C, ElasticBuffer, fp8
-from deep_ep.config import TOKENS_ENV, Config, get_combine_config, get_dispatch_config
+from deep_ep.compat.config import TOKENS_ENV, Config, get_combine_config, get_dispatch_config
 from deep_ep.utils import EventHandle, EventOverlap
 from deep_ep.utils import math as v1_math
 

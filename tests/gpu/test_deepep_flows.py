@@ -22,9 +22,10 @@ import torch.distributed as dist
 from ht_checks import device, emulated_ranks_per_node
 
 import deep_ep
+from deep_ep.compat.buffer import Buffer
+from deep_ep.compat.capacity import bytes_for_tokens
 from deep_ep.event import EventOverlap
 from deep_ep.testing import launch
-from deep_ep.v1_buffer import Buffer, bytes_for_tokens
 
 HIDDEN = 256
 TOPK = 4

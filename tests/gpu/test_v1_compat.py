@@ -1,4 +1,4 @@
-"""DeepEP V1 client sequences through ``deep_ep.v1_buffer.Buffer``, checked bitwise against the
+"""DeepEP V1 client sequences through ``deep_ep.compat.buffer.Buffer``, checked bitwise against the
 reference model.
 
 Each case replays what a V1 client does in an MoE layer: ``get_dispatch_layout`` (checked against
@@ -29,12 +29,14 @@ from ht_checks import (
     split,
 )
 
+from deep_ep.compat.buffer import Buffer
+from deep_ep.compat.capacity import bytes_for_tokens
+from deep_ep.compat.handles import DispatchHandle
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_group_inputs, make_tokens
 from deep_ep.testing.reference import ht_combine, ht_dispatch
 from deep_ep.testing.reference_layout import dispatch_layout_by_loops
-from deep_ep.v1_buffer import Buffer, DispatchHandle, bytes_for_tokens
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _column_major(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _config(num_ranks: int, kind: str):
-    """A V1 Config when deep_ep.config provides one for this group size, else a stand-in with num_sms."""
+    """A V1 Config when deep_ep.compat.config provides one for this group size, else a stand-in with num_sms."""
     try:
         return getattr(Buffer, f"get_{kind}_config")(num_ranks)
     except (NotImplementedError, KeyError, AssertionError, ValueError):

@@ -27,12 +27,13 @@ import torch
 from ll_calls import Expected, Inputs, NoHostSync, bits, ll_expert_output, reference_case
 from rank_results import capture, guarded, launch_once
 
+from deep_ep.compat.buffer import Buffer
+from deep_ep.compat.handles import LowLatencyDispatchHandle
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap
 from deep_ep.fp8 import pack_ue8m0
 from deep_ep.testing.data import make_group_inputs
 from deep_ep.testing.reference import ll_valid_row_mask
-from deep_ep.v1_buffer import Buffer, LowLatencyDispatchHandle
 
 # DeepEP's defaults: T = 128 tokens per rank at most, H = 7168, top-8 of 288 experts.
 T_LL, HIDDEN, NUM_EXPERTS, NUM_TOPK = 128, 7168, 288, 8

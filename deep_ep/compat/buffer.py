@@ -8,7 +8,7 @@ is the core's (``ElasticBuffer.dispatch`` / ``combine`` / ``low_latency_dispatch
 * **Sizing.** V1 clients pass byte budgets (``num_nvl_bytes``, ``num_rdma_bytes``), not a token cap.
   The HT window's region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB
   (:func:`window_num_bytes`); with ``low_latency_mode=True`` it is ``num_nvl_bytes`` alone and
-  ``num_rdma_bytes`` is the budget of the low-latency window (deep_ep.config's hints size them that
+  ``num_rdma_bytes`` is the budget of the low-latency window (deep_ep.compat.config's hints size them that
   way). Each HT call's token cap ``T_max`` is the *capacity* of that region for the call's shape:
   the largest ``T_max`` whose dispatch and combine footprints (the core's geometry,
   ``_C.high_throughput_layout``) fit (:func:`token_capacity`). It depends only on the group, the
@@ -72,13 +72,7 @@ rank raises (the failing ones their own error, the others ``PeerInputError`` nam
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import importlib
-import inspect
-import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -87,41 +81,28 @@ import torch.distributed as dist
 from deep_ep import _C
 from deep_ep._util import cuda_event, describe_with_device
 from deep_ep.buffer import ElasticBuffer
+from deep_ep.compat import config as v1_config
+from deep_ep.compat.capacity import (
+    bytes_for_tokens,
+    low_latency_window_bytes,
+    non_negative_int,
+    token_capacity,
+    window_num_bytes,
+)
+from deep_ep.compat.handles import DispatchHandle, LowLatencyDispatchHandle
+from deep_ep.compat.layout import check_layout_inputs, dispatch_layout, routing_from_ranks
+from deep_ep.compat.outputs import v1_dispatch_outputs
+from deep_ep.compat.streams import Streams
+from deep_ep.compiled_archs import sass_architectures
 from deep_ep.errors import BufferTooSmallError, PeerInputError
 from deep_ep.event import EventOverlap, event_or_none, stream_capturing
-from deep_ep.handle import EPHandle
 from deep_ep.low_latency import LowLatencyHandle, check_rank_to_mask
-from deep_ep.plan.budget import largest_fitting
 from deep_ep.window import window_tensor
 
-__all__ = [
-    "Buffer",
-    "DispatchHandle",
-    "LowLatencyDispatchHandle",
-    "bytes_for_tokens",
-    "check_unbacked_options",
-    "dispatch_layout",
-    "fit_rows",
-    "low_latency_window_bytes",
-    "mask_rows_past",
-    "routing_from_ranks",
-    "sass_architectures",
-    "token_capacity",
-    "v1_dispatch_outputs",
-    "window_num_bytes",
-    "zero_foreign_weights",
-]
+__all__ = ["Buffer", "check_unbacked_options"]
 
 
 # V1's default SM count for HT kernels (Buffer.num_sms); set_num_sms changes it for every buffer.
-_V1_DEFAULT_NUM_SMS = 20
-# Upper bound of the capacity search (far beyond any window: 2^40 tokens per rank).
-_MAX_CAPACITY = 1 << 40
-
-
-# --------------------------------------------------------------------------- pure helpers (no GPU)
-
-
 def check_unbacked_options(*, comm: Any = None) -> None:
     """Raise NotImplementedError naming the first V1 constructor option the core does not back."""
     if comm is not None:
@@ -129,494 +110,6 @@ def check_unbacked_options(*, comm: Any = None) -> None:
             f"Buffer(comm={type(comm).__name__}) is not implemented: pass a torch.distributed process group as "
             "`group` (an mpi4py communicator is not supported)"
         )
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def window_num_bytes(num_nvl_bytes: int, num_rdma_bytes: int) -> int:
-    """``num_bytes`` of the ElasticBuffer behind ``Buffer(group, num_nvl_bytes, num_rdma_bytes)``: the
-    window whose HT region is ``num_nvl_bytes + num_rdma_bytes`` rounded up to 2 MiB, plus the 2 MiB
-    workspace (no low-latency region). The two budgets are pooled: the core has one HT region in
-    both topologies (hybrid mode keeps its scale-out staging inside it). With ``low_latency_mode``
-    the Buffer passes ``num_rdma_bytes=0`` here: that budget holds the LL window
-    (:func:`low_latency_window_bytes`)."""
-    total = _non_negative_int("num_nvl_bytes", num_nvl_bytes) + _non_negative_int("num_rdma_bytes", num_rdma_bytes)
-    return int(_C.window_layout(total, 0)["total_bytes"])
-
-
-def low_latency_window_bytes(
-    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
-) -> int:
-    """Bytes of the LL-only ElasticBuffer a V1 ``Buffer(low_latency_mode=True)`` builds at its first
-    ``low_latency_dispatch`` (workspace included, top-k ``min(32, E)``): what ``num_rdma_bytes``
-    must hold. Equal to ``Buffer.get_low_latency_rdma_size_hint``. Invalid sizes raise ValueError."""
-    return int(
-        ElasticBuffer.get_low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-    )
-
-
-def bytes_for_tokens(
-    num_ranks: int, num_scaleup_ranks: int, num_tokens: int, hidden: int, num_topk: int, use_fp8: bool
-) -> int:
-    """HT region bytes a call with ``T_max = num_tokens`` needs: the larger of the dispatch and the
-    combine footprint (combine is always bf16). ``num_nvl_bytes + num_rdma_bytes`` at least this
-    lets every rank pass up to ``num_tokens`` tokens for this shape."""
-    layout = _C.high_throughput_layout(num_ranks, num_scaleup_ranks, num_tokens, hidden, num_topk, use_fp8)
-    return int(max(layout["dispatch_bytes"], layout["combine_bytes"]))
-
-
-@functools.lru_cache(maxsize=256)
-def token_capacity(
-    num_ranks: int, num_scaleup_ranks: int, ht_region_bytes: int, hidden: int, num_topk: int, use_fp8: bool
-) -> int:
-    """The largest ``T_max`` whose footprint (:func:`bytes_for_tokens`) fits ``ht_region_bytes``; 0 if
-    not even one token per rank fits. The footprint grows with ``T_max``, so this is a doubling then a
-    bisection over the core's geometry (memoised per shape)."""
-
-    def fits(num_tokens: int) -> bool:
-        needed = bytes_for_tokens(num_ranks, num_scaleup_ranks, num_tokens, hidden, num_topk, use_fp8)
-        return needed <= ht_region_bytes
-
-    return largest_fitting(fits, _MAX_CAPACITY)
-
-
-def dispatch_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """V1's ``get_dispatch_layout`` results, with torch ops on ``topk_idx``'s device (no sync).
-
-    Returns ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [R / num_ranks_per_node]
-    or None, num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])``. A token counts once per
-    rank (and once per node) however many of its experts live there. Entries outside ``[0, E)`` (-1
-    included) are ignored, and an expert repeated within a row counts once, as the core routes it
-    (repeats and out-of-range ids are treated as -1 there). ``num_ranks_per_node`` None or ``R``:
-    one node, ``num_tokens_per_rdma_rank`` is None.
-    """
-    per_node = _check_layout_inputs(topk_idx, num_experts, num_ranks, num_ranks_per_node)
-    num_tokens, num_topk = topk_idx.shape
-    device = topk_idx.device
-    num_local = num_experts // num_ranks
-    idx = topk_idx.long()
-    valid = (idx >= 0) & (idx < num_experts)
-    if num_topk > 1:
-        # An id equal to one in an earlier slot of its row is a repeat (the core counts the first only).
-        earlier = torch.ones(num_topk, num_topk, dtype=torch.bool, device=device).tril(-1)
-        repeated = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & earlier).any(dim=2)
-        valid &= ~repeated
-    rank_of = torch.where(valid, idx // num_local, torch.full_like(idx, num_ranks))
-    ranks = torch.arange(num_ranks, device=device)
-    is_token_in_rank = (rank_of.unsqueeze(2) == ranks).any(dim=1)
-    num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-    expert = torch.where(valid, idx, torch.full_like(idx, num_experts)).flatten()
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    per_expert.scatter_add_(0, expert, torch.ones_like(expert))
-    num_tokens_per_expert = per_expert[:num_experts].to(torch.int32)
-    num_tokens_per_rdma_rank = None
-    if per_node < num_ranks:
-        in_node = is_token_in_rank.view(num_tokens, num_ranks // per_node, per_node).any(dim=2)
-        num_tokens_per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)
-    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
-
-
-def _check_layout_inputs(topk_idx: Any, num_experts: Any, num_ranks: int, num_ranks_per_node: int | None) -> int:
-    """Validate :func:`dispatch_layout`'s arguments; returns the ranks per node."""
-    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-        raise ValueError(f"topk_idx must be a [T, K] tensor, got {describe_with_device(topk_idx)}")
-    if topk_idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"topk_idx must be int64 (or int32), got {describe_with_device(topk_idx)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-    if num_experts % num_ranks != 0:
-        raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})")
-    per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
-    if per_node < 1 or num_ranks % per_node != 0:
-        raise ValueError(f"num_ranks_per_node must divide the group size {num_ranks}, got {num_ranks_per_node}")
-    return per_node
-
-
-def routing_from_ranks(is_token_in_rank: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 ``[T, R]`` expert ids that send each token exactly to the ranks ``is_token_in_rank``
-    marks: lane ``r`` holds rank ``r``'s first expert, or -1. What a V1 dispatch without ``topk_idx``
-    routes by (the core routes by expert ids; one id per marked rank reaches that rank once)."""
-    num_ranks = is_token_in_rank.shape[1]
-    first_experts = torch.arange(num_ranks, dtype=torch.int64, device=is_token_in_rank.device) * (
-        num_experts // num_ranks
-    )
-    return torch.where(is_token_in_rank, first_experts, torch.full_like(first_experts, -1))
-
-
-def zero_foreign_weights(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor) -> torch.Tensor:
-    """V1's received weights: 0 where ``recv_topk_idx`` is -1 (the expert lives on another rank, or the
-    slot is empty). In place; returns ``recv_topk_weights``."""
-    return recv_topk_weights.masked_fill_(recv_topk_idx < 0, 0.0)
-
-
-def mask_rows_past(recv_topk_idx: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-    """Set rows ``>= num_valid`` (a one-element tensor on the same device, read there: no sync) to -1,
-    in place: the padding rows of a ``num_worst_tokens`` dispatch. Returns ``recv_topk_idx``."""
-    rows = torch.arange(recv_topk_idx.shape[0], device=recv_topk_idx.device)
-    return recv_topk_idx.masked_fill_((rows >= num_valid.to(rows.dtype)).unsqueeze(1), -1)
-
-
-def fit_rows(tensor: torch.Tensor | None, num_rows: int, fill: float, empty: Any = None) -> torch.Tensor | None:
-    """``tensor`` with exactly ``num_rows`` rows: a view of its first rows, or (when it has fewer) a new
-    tensor holding it followed by rows of ``fill``. ``empty(shape, dtype, device)`` allocates that new
-    tensor (default ``torch.empty``)."""
-    if tensor is None:
-        return None
-    if num_rows <= tensor.shape[0]:
-        return tensor.narrow(0, 0, num_rows)
-    allocate = empty or (lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
-    padded = allocate((num_rows, *tensor.shape[1:]), tensor.dtype, tensor.device)
-    padded[: tensor.shape[0]].copy_(tensor)
-    padded[tensor.shape[0] :].fill_(fill)
-    return padded
-
-
-def v1_dispatch_outputs(
-    recv_x: Any,
-    recv_topk_idx: torch.Tensor | None,
-    recv_topk_weights: torch.Tensor | None,
-    core_handle: EPHandle,
-    num_worst_tokens: int,
-    empty: Any = None,
-) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle]:
-    """The core's uncached dispatch outputs with V1's meanings (device ops on the current stream, no sync).
-
-    Weights of -1 slots are zeroed in place. ``num_worst_tokens > 0`` (the core ran without CPU sync
-    and sized its outputs ``R * T_max`` rows, writing the received prefix only): every output gets
-    exactly ``num_worst_tokens`` rows (a view, or a padded copy through ``empty``), rows past the
-    received count get ``recv_topk_idx = -1`` (hence weight 0), and the returned EPHandle is a copy of
-    ``core_handle`` describing ``num_worst_tokens`` rows (combine then takes x of that many rows, a
-    cached dispatch allocates that many; only the received prefix is read or written)."""
-    if num_worst_tokens > 0:
-        core_rows = core_handle.num_recv_tokens
-        rows = num_worst_tokens
-        if isinstance(recv_x, (tuple, list)):
-            recv_x = (fit_rows(recv_x[0], rows, 0, empty), fit_rows(recv_x[1], rows, 0, empty))
-        else:
-            recv_x = fit_rows(recv_x, rows, 0, empty)
-        recv_topk_idx = fit_rows(recv_topk_idx, rows, -1, empty)
-        recv_topk_weights = fit_rows(recv_topk_weights, rows, 0.0, empty)
-        if recv_topk_idx is not None:
-            mask_rows_past(recv_topk_idx, core_handle.psum_num_recv_tokens_per_source[-1:])
-        core_handle = dataclasses.replace(
-            core_handle,
-            num_recv_tokens=rows,
-            recv_src_info=core_handle.recv_src_info.narrow(0, 0, min(rows, core_rows)),
-        )
-    if recv_topk_weights is not None and recv_topk_idx is not None:
-        zero_foreign_weights(recv_topk_idx, recv_topk_weights)
-    return recv_x, recv_topk_idx, recv_topk_weights, core_handle
-
-
-def sass_architectures(path: str) -> frozenset[int]:
-    """The SM architectures (e.g. 90 for sm_90) with SASS in the shared object at ``path``, read from its
-    ``.nv_fatbin`` section (entries of kind 2 are ELF cubins, their header holds the arch). Empty when
-    the file cannot be read or holds no fatbin."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-        if data[:4] != b"\x7fELF" or data[4] != 2:  # ELF64 only
-            return frozenset()
-        (section_offset,) = struct.unpack_from("<Q", data, 0x28)
-        entry_size, num_sections, names_index = struct.unpack_from("<HHH", data, 0x3A)
-        sections = [
-            struct.unpack_from("<IIQQQQ", data, section_offset + index * entry_size) for index in range(num_sections)
-        ]
-        names_offset = sections[names_index][4]
-
-        def name(offset: int) -> bytes:
-            start = names_offset + offset
-            return data[start : data.index(b"\0", start)]
-
-        archs: set[int] = set()
-        for name_offset, _, _, _, offset, size in sections:
-            if name(name_offset) != b".nv_fatbin":
-                continue
-            position, end = offset, offset + size
-            while position + 16 <= end:
-                magic, _, header_size, fat_size = struct.unpack_from("<IHHQ", data, position)
-                if magic != 0xBA55ED50:
-                    position += 8  # fatbins are 8-byte aligned inside the section
-                    continue
-                entry, entries_end = position + header_size, position + header_size + fat_size
-                while entry + 32 <= entries_end:
-                    kind, _, entry_header_size, entry_size_bytes = struct.unpack_from("<HHIQ", data, entry)
-                    (arch,) = struct.unpack_from("<I", data, entry + 28)
-                    if kind == 2:
-                        archs.add(arch)
-                    entry += entry_header_size + entry_size_bytes
-                position = entries_end
-        return frozenset(archs)
-    except (OSError, struct.error, ValueError, IndexError):
-        return frozenset()
-
-
-@functools.cache
-def _config_module() -> Any:
-    """deep_ep.config (V1 ``Config`` and size hints, written separately) if present, else None."""
-    try:
-        return importlib.import_module("deep_ep.config")
-    except ModuleNotFoundError as error:
-        if error.name != "deep_ep.config":
-            raise
-        return None
-
-
-def _config_function(name: str) -> Any:
-    module = _config_module()
-    function = getattr(module, name, None) if module is not None else None
-    if function is None:
-        raise NotImplementedError(f"Buffer.{name} needs deep_ep.config.{name}, which this build does not have")
-    return function
-
-
-def _tuned_config(name: str, num_ranks: int) -> Any:
-    """deep_ep.config's table entry, built with ``Buffer.num_sms`` as V1's Buffer builds it."""
-    function = _config_function(name)
-    if "num_sms" in inspect.signature(function).parameters:
-        return function(num_ranks, num_sms=Buffer.num_sms)
-    return function(num_ranks)
-
-
-# --------------------------------------------------------------------------------------- handle
-
-_UNAVAILABLE_CHANNELS = (
-    "is bookkeeping of V1's channel ring buffers (per-channel prefix sums and ring positions), which this "
-    "implementation does not have: combine and cached dispatch take the whole handle instead"
-)
-
-
-class DispatchHandle:
-    """What ``Buffer.dispatch`` returns as ``handle``: the core's ``EPHandle`` (``.core``) plus the
-    V1 view of it. Pass it back to ``dispatch(handle=)`` and ``combine``.
-
-    Indexable like V1's tuple where we can give V1's value exactly; other positions raise IndexError
-    naming what is missing (iteration and unpacking raise TypeError: V1's tuple cannot be rebuilt).
-    One node (V1's intranode tuple, ``len == 6``): ``[0]`` ``rank_prefix_matrix`` int32 [R, R]
-    (``[i, j]``: tokens ranks ``0..i`` sent to rank ``j``; rows ``[M[i - 1, rank], M[i, rank])`` of
-    the outputs came from rank ``i``), ``[3]`` ``recv_src_idx`` int32 [N] (source token of each
-    received row) and ``[4]`` ``is_token_in_rank`` bool [T, R]. Several nodes (hybrid mode; V1's
-    internode tuple, ``len == 10``): ``[0]`` ``is_token_in_rank`` and ``[6]``
-    ``recv_gbl_rank_prefix_sum`` int32 [R]; ``rank_prefix_matrix`` as an attribute (None unless a
-    CPU-synced dispatch without ``topk_idx`` gathered it, see :meth:`Buffer.gather_rank_prefix_matrix`).
-    The tensors are valid once the dispatch's event completed, like every output.
-
-    ``num_recv_tokens`` is the row count of the dispatch's outputs (``num_worst_tokens`` when given).
-    """
-
-    def __init__(
-        self,
-        core: EPHandle,
-        *,
-        num_recv_tokens: int,
-        num_worst_tokens: int,
-        rank: int,
-        is_token_in_rank: torch.Tensor | None = None,
-        rank_prefix_matrix: torch.Tensor | None = None,
-    ) -> None:
-        self.core = core
-        self.num_recv_tokens = num_recv_tokens
-        self.num_worst_tokens = num_worst_tokens
-        self.rank = rank
-        self._is_token_in_rank = is_token_in_rank
-        self._rank_prefix_matrix = rank_prefix_matrix
-
-    @property
-    def rank_prefix_matrix(self) -> torch.Tensor | None:
-        """V1's int32 [R, R] rank prefix matrix: the one the dispatch's layout exchange gathered, else
-        the core's (filled by the notify kernel on one node), else None (hybrid mode)."""
-        if self._rank_prefix_matrix is not None:
-            return self._rank_prefix_matrix
-        return self.core.rank_prefix_matrix
-
-    @property
-    def num_ranks(self) -> int:
-        return self.core.num_ranks
-
-    @property
-    def internode(self) -> bool:
-        """The dispatch ran in hybrid mode (several nodes): the handle mimics V1's internode tuple."""
-        return self.core.num_nodes > 1
-
-    @property
-    def recv_rank_prefix_sum(self) -> torch.Tensor:
-        """int32 [R]: inclusive prefix sum over source ranks of the tokens this rank received, i.e.
-        column ``rank`` of V1's ``rank_prefix_matrix`` (and V1's internode ``recv_gbl_rank_prefix_sum``).
-        Rows ``[prefix[s - 1], prefix[s])`` of the outputs came from rank ``s``."""
-        return self.core.psum_num_recv_tokens_per_source
-
-    @property
-    def num_recv_tokens_device(self) -> torch.Tensor:
-        """int32 [1] on the device: the rows really received (``<= num_recv_tokens``), without a sync."""
-        return self.core.psum_num_recv_tokens_per_source[-1:]
-
-    @property
-    def recv_src_idx(self) -> torch.Tensor:
-        """int32 [num_recv_tokens]: the source rank's token index of each received row (V1's
-        ``recv_src_idx``; rows past the received count are undefined with ``num_worst_tokens``)."""
-        column = self.core.recv_src_info[:, 1].contiguous()  # (source rank, source token, j, master lane) per row
-        if column.shape[0] < self.num_recv_tokens:
-            column = fit_rows(column, self.num_recv_tokens, -1)
-        return column
-
-    @property
-    def is_token_in_rank(self) -> torch.Tensor:
-        """bool [T, R]: the one passed to dispatch, else computed from the dispatch's routing."""
-        if self._is_token_in_rank is None:
-            core = self.core
-            self._is_token_in_rank = dispatch_layout(core.routing, core.num_experts, core.num_ranks)[3]
-        return self._is_token_in_rank
-
-    def _fields(self) -> list[tuple[str, Any]]:
-        """(name, getter or None) in V1's tuple order."""
-        if not self.internode:
-            matrix = self.rank_prefix_matrix
-            return [
-                ("rank_prefix_matrix", None if matrix is None else lambda: matrix),
-                ("channel_prefix_matrix", None),
-                ("recv_channel_prefix_matrix", None),
-                ("recv_src_idx", lambda: self.recv_src_idx),
-                ("is_token_in_rank", lambda: self.is_token_in_rank),
-                ("send_head", None),
-            ]
-        return [
-            ("is_token_in_rank", lambda: self.is_token_in_rank),
-            ("rdma_channel_prefix_matrix", None),
-            ("gbl_channel_prefix_matrix", None),
-            ("recv_rdma_channel_prefix_matrix", None),
-            ("recv_rdma_rank_prefix_sum", None),
-            ("recv_gbl_channel_prefix_matrix", None),
-            ("recv_gbl_rank_prefix_sum", lambda: self.recv_rank_prefix_sum),
-            ("recv_src_meta", None),
-            ("send_rdma_head", None),
-            ("send_nvl_head", None),
-        ]
-
-    def __len__(self) -> int:
-        return len(self._fields())
-
-    def __getitem__(self, index: Any) -> Any:
-        fields = self._fields()
-        if isinstance(index, slice):
-            return tuple(self[position] for position in range(*index.indices(len(fields))))
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"DispatchHandle indices must be integers or slices, got {type(index).__name__}")
-        if not -len(fields) <= index < len(fields):
-            raise IndexError(f"DispatchHandle index {index} out of range (V1's handle has {len(fields)} entries)")
-        name, getter = fields[index]
-        if getter is not None:
-            return getter()
-        kind = "internode" if self.internode else "intranode"
-        if name == "rank_prefix_matrix":
-            reason = (
-                f"needs every rank's send counts, which this handle's core does not hold: column "
-                f"{self.rank} of it is handle.recv_rank_prefix_sum (exact); Buffer.gather_rank_prefix_matrix(handle) "
-                "builds the whole matrix with one all-gather over the group (collective)"
-            )
-        elif name == "recv_src_meta":
-            reason = (
-                "is V1's internode per-row source record; handle.core.recv_src_info holds ours "
-                "(handle.core.recv_src_metadata: DeepEP V2's layout)"
-            )
-        elif name == "recv_rdma_rank_prefix_sum":
-            reason = "counts V1's per-node forwarding; the hybrid routing here keeps other per-node counts"
-        else:
-            reason = _UNAVAILABLE_CHANNELS
-        raise IndexError(f"handle[{index}] (V1 {kind} handle entry '{name}') is not available: it {reason}")
-
-    def __iter__(self) -> Iterator[Any]:
-        unavailable = [name for name, getter in self._fields() if getter is None]
-        raise TypeError(
-            f"a DispatchHandle cannot be iterated or unpacked like V1's tuple: {', '.join(unavailable)} are not "
-            "available; index the entries you need (see DispatchHandle) or pass the handle back whole"
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"DispatchHandle(num_recv_tokens={self.num_recv_tokens}, num_worst_tokens={self.num_worst_tokens}, "
-            f"rank={self.rank}, num_ranks={self.num_ranks}, internode={self.internode})"
-        )
-
-
-class LowLatencyDispatchHandle(tuple):
-    """What ``Buffer.low_latency_dispatch`` returns as ``handle``: V1's tuple
-    ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``, carrying the
-    core's ``LowLatencyHandle`` as ``.core``. Pass it back to ``low_latency_combine`` and
-    ``get_next_low_latency_combine_buffer``.
-
-    A real tuple (``len == 5``, indexable, unpackable). ``[0]`` ``src_info`` int32 ``[L, R * T_ll]``:
-    the source rank's token index of each row of ``recv_x``; ``[1]`` ``layout_range`` int64
-    ``[L, R]``: ``(first row << 32) | count`` of each source rank's rows of each local expert. Both
-    are the core's tensors (``recv_src_info``, ``recv_layout_range``), written by the dispatch's
-    receive phase (valid once it ran: after the hook, the event, or the call); rows past
-    ``recv_count`` are undefined, as in V1. Rows of a local expert are ordered by (source rank,
-    source token), so source ``s``'s block is ``[begin_s, begin_s + count_s)`` with ``begin_s`` the
-    sum of the earlier sources' counts (V1: the same block structure, rows within a block in arrival
-    order). A tuple V1 code builds itself is not accepted back (it lacks the core's handle).
-    """
-
-    core: LowLatencyHandle
-
-    def __new__(cls, core: LowLatencyHandle) -> LowLatencyDispatchHandle:
-        entries = (
-            core.recv_src_info,
-            core.recv_layout_range,
-            core.num_max_dispatch_tokens_per_rank,
-            core.hidden,
-            core.num_experts,
-        )
-        handle = super().__new__(cls, entries)
-        handle.core = core
-        return handle
-
-    def __getnewargs__(self) -> tuple[LowLatencyHandle]:  # copy / pickle rebuild from the core handle
-        return (self.core,)
-
-    def __repr__(self) -> str:
-        return (
-            f"LowLatencyDispatchHandle(num_max_dispatch_tokens_per_rank={self[2]}, hidden={self[3]}, "
-            f"num_experts={self[4]}, src_info={describe_with_device(self[0])}, "
-            f"layout_range={describe_with_device(self[1])})"
-        )
-
-
-# --------------------------------------------------------------------------------------- streams
-
-
-class _Streams:
-    """Where a call's extra work runs and its new tensors are allocated, with V1's rules: work on the
-    communication stream when asked (async or previous_event), allocations on the comm stream when
-    ``allocate_on_comm_stream`` (and then handed to the caller's stream with record_stream)."""
-
-    def __init__(self, buffer: ElasticBuffer, *, work_on_comm: bool, allocate_on_comm: bool) -> None:
-        self.compute = torch.cuda.current_stream(buffer.device)
-        self.comm = buffer.get_comm_stream()
-        self.work = self.comm if work_on_comm else self.compute
-        self.alloc = self.comm if allocate_on_comm else self.compute
-        self.allocated: list[torch.Tensor] = []
-
-    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.cuda.stream(self.alloc):
-            tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-        self.allocated.append(tensor)
-        return tensor
-
-    def working(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.work) if self.work is not self.compute else contextlib.nullcontext()
-
-    def hand_over(self) -> None:
-        if self.alloc is self.comm and not stream_capturing():
-            for tensor in self.allocated:
-                tensor.record_stream(self.compute)
-
-
-# --------------------------------------------------------------------------------------- buffer
 
 
 class Buffer:
@@ -646,7 +139,7 @@ class Buffer:
     barrier) and :meth:`destroy` refuses, as V1's does.
     """
 
-    num_sms: int = _V1_DEFAULT_NUM_SMS
+    num_sms: int = v1_config.DEFAULT_NUM_SMS
     # Class defaults, so that a partly built Buffer (failed construction) still answers destroy() and
     # the low-latency calls with the right error.
     low_latency_mode: bool = False
@@ -679,7 +172,7 @@ class Buffer:
         num_bytes = window_num_bytes(num_nvl_bytes, num_rdma_bytes)  # checks both budgets
         if low_latency_mode:
             num_bytes = window_num_bytes(num_nvl_bytes, 0)  # num_rdma_bytes is the LL window's budget
-        _non_negative_int("num_qps_per_rank", num_qps_per_rank)
+        non_negative_int("num_qps_per_rank", num_qps_per_rank)
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
@@ -718,21 +211,21 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Any:
-        """V1's recommended dispatch ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.config)."""
-        return _tuned_config("get_dispatch_config", num_ranks)
+        """V1's recommended dispatch ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.compat.config)."""
+        return v1_config.get_dispatch_config(num_ranks, num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
-        """V1's recommended combine ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.config)."""
-        return _tuned_config("get_combine_config", num_ranks)
+        """V1's recommended combine ``Config`` for ``Buffer.num_sms`` SMs (deep_ep.compat.config)."""
+        return v1_config.get_combine_config(num_ranks, num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
         """Exact bytes of the LL window the first ``low_latency_dispatch`` with these sizes builds (workspace
-        included, top-k ``min(32, E)``; deep_ep.config): pass at least this as ``num_rdma_bytes``."""
-        return _config_function("get_low_latency_rdma_size_hint")(
+        included, top-k ``min(32, E)``; deep_ep.compat.config): pass at least this as ``num_rdma_bytes``."""
+        return v1_config.get_low_latency_rdma_size_hint(
             num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
         )
 
@@ -867,10 +360,10 @@ class Buffer:
             )
         nodes = core.num_scaleout_ranks
         per_node = core.num_scaleup_ranks if nodes > 1 else None
-        _check_layout_inputs(topk_idx, num_experts, self.group_size, per_node)
+        check_layout_inputs(topk_idx, num_experts, self.group_size, per_node)
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             return (*dispatch_layout(topk_idx, num_experts, self.group_size, per_node), EventOverlap(None))
-        streams = _Streams(
+        streams = Streams(
             core, work_on_comm=True, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
         )
         if previous_event is not None:
@@ -1035,7 +528,7 @@ class Buffer:
                 per_expert, rank_prefix_matrix = self._exchange_layout_counts(
                     topk_idx, num_tokens_per_expert, expert_alignment
                 )
-        streams = _Streams(
+        streams = Streams(
             core, work_on_comm=async_finish, allocate_on_comm=allocate_on_comm_stream or previous_event is not None
         )
         with streams.working():
@@ -1135,7 +628,7 @@ class Buffer:
         return recv_x, None, None, None, None, event
 
     @staticmethod
-    def _finish(streams: _Streams, async_finish: bool, core_event: EventOverlap) -> EventOverlap:
+    def _finish(streams: Streams, async_finish: bool, core_event: EventOverlap) -> EventOverlap:
         """The event of a call whose extra work ran after the core's (on ``streams.work``)."""
         streams.hand_over()
         if not async_finish:
@@ -1233,7 +726,7 @@ class Buffer:
         else:
             part_bytes, part_start = self.num_nvl_bytes, core._window["ht_offset"]
         element = torch.empty((), dtype=dtype).element_size()
-        _non_negative_int("offset", offset)
+        non_negative_int("offset", offset)
         if offset > part_bytes:
             which = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
             raise ValueError(f"offset={offset} is past the end of the buffer ({which}={part_bytes})")
