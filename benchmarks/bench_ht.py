@@ -69,11 +69,8 @@ KERNELS = (
 )
 OPERATIONS = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_cached", "dispatch_bf16_cached", "combine_bf16")
 BASELINE_OPERATIONS = ("baseline_dispatch_bf16", "baseline_combine_bf16")
-# --speculative-epilogue: the uncached dispatches again with EP_HT_SPECULATIVE_EPILOGUE's behaviour
-# (outputs at a guessed capacity, epilogue queued before the host waits), in the same run.
 # The three calls whose host time issue targets name: uncached dispatch, cached dispatch, combine.
 HOST_PROFILED_OPERATIONS = ("dispatch_fp8", "dispatch_fp8_cached", "combine_bf16")
-SPECULATIVE_OPERATIONS = ("dispatch_fp8_speculative", "dispatch_bf16_speculative")
 # --zero-copy: the dispatches again with zero_copy_recv=True (rows written in final position, outputs
 # are views of the window, the epilogue writes metadata only) and the zero-copy combine (the expert
 # outputs already in the buffer's combine input rows, the home ranks read them); direct mode only.
@@ -120,11 +117,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then the call's own latency, not the previous call's tail plus this one",
     )
     parser.add_argument(
-        "--speculative-epilogue",
-        action="store_true",
-        help="also time the uncached dispatches with the speculative epilogue (EP_HT_SPECULATIVE_EPILOGUE)",
-    )
-    parser.add_argument(
         "--phases",
         action="store_true",
         help="also time each kernel's phases with the phase clock (EP_PHASE_CLOCK=1, deep_ep.phase_clock)",
@@ -138,8 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def operation_names(config: dict[str, Any]) -> tuple[str, ...]:
-    names = OPERATIONS + (SPECULATIVE_OPERATIONS if config.get("speculative_epilogue") else ())
-    names += ZERO_COPY_OPERATIONS if config.get("zero_copy") else ()
+    names = OPERATIONS + (ZERO_COPY_OPERATIONS if config.get("zero_copy") else ())
     return names + BASELINE_OPERATIONS if config.get("baseline") else names
 
 
@@ -369,9 +360,6 @@ def bench_tokens(
             "dispatch_bf16_cached": lambda: buffer.dispatch(x, topk_weights=weights, handle=handle, num_sms=sms),
             "combine_bf16": lambda: buffer.combine(y, handle, topk_weights=recv_weights),
         }
-        if config.get("speculative_epilogue"):
-            operations["dispatch_fp8_speculative"] = speculatively(operations["dispatch_fp8"])
-            operations["dispatch_bf16_speculative"] = speculatively(operations["dispatch_bf16"])
         if config.get("zero_copy") and mode == "direct":
             zero_copy = {**common, "zero_copy_recv": True}
             zc_handle = buffer.dispatch(x_fp8, topk_idx, weights, **zero_copy)[3]
@@ -387,19 +375,6 @@ def bench_tokens(
                 rows, zc_handle, topk_weights=recv_weights, zero_copy=True
             )
         return operations, handle
-
-    def speculatively(operation):
-        """``operation`` with the buffer's speculative epilogue on (its guess comes from the same
-        shape's previous call: the plain operation's warmup already left one)."""
-
-        def run():
-            buffer._ht_speculative_epilogue = True
-            try:
-                return operation()
-            finally:
-                buffer._ht_speculative_epilogue = False
-
-        return run
 
     for requested in config["num_sms"]:
         operations, handle = operations_at(requested)
@@ -774,8 +749,6 @@ def main(argv: list[str] | None = None) -> None:
         config["host_profile"] = True
     if args.idle_start:
         config["idle_start"] = True
-    if args.speculative_epilogue:
-        config["speculative_epilogue"] = True
     if args.zero_copy:
         config["zero_copy"] = True
     if args.phases:

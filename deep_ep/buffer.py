@@ -154,10 +154,6 @@ class ElasticBuffer(HighThroughputMixin, LowLatencyMixin):
         # rank then says which call each one had reached.
         self._calls: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=CALL_LOG_LENGTH)
         self._num_calls = 0
-        # Opt-in (no effect measured with 2 ranks on one H200; 2 x H200 not measured): HT dispatch
-        # queues its copy epilogue before the host waits for the counts (deep_ep/high_throughput.py).
-        self._ht_speculative_epilogue = _env_flag("EP_HT_SPECULATIVE_EPILOGUE")
-        self._ht_last_counts: dict = {}  # the counts of the last CPU-synced dispatch of each shape
         if not torch.cuda.is_available():
             raise RuntimeError("ElasticBuffer needs a CUDA device; none is available")
         self.group = group

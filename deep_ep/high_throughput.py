@@ -97,19 +97,6 @@ def worst_case_rows(
     return num_rows, align_up(worst, expert_alignment)
 
 
-# Speculative output capacity (EP_HT_SPECULATIVE_EPILOGUE, see HighThroughputMixin.dispatch): the
-# previous call's count of the same shape plus a quarter and 128 rows, in whole 128-row blocks,
-# never above the worst case.
-SPECULATIVE_HEADROOM_ROWS = 128
-
-
-def speculative_rows(last: int, worst: int) -> int:
-    """Rows to allocate before the counts are known, from ``last`` (the previous call's count of the
-    same shape) and ``worst`` (the most the call can receive)."""
-    wanted = align_up(last + last // 4 + SPECULATIVE_HEADROOM_ROWS, SPECULATIVE_HEADROOM_ROWS)
-    return max(0, min(worst, wanted))
-
-
 # Placeholder for a handle array allocated once the counts are known (no allocation of its own:
 # every torch.empty costs host time on the uncached path).
 _NOT_ALLOCATED = torch.empty(0)
@@ -207,9 +194,7 @@ class HighThroughputMixin:
     _comm_stream: torch.cuda.Stream
     _max_num_sms: int
     _max_ht_num_sms: int
-    _ht_speculative_epilogue: bool
     _ht_host_path: Any = None  # _C.HtHostPath (ElasticBuffer sets it), or None: EP_HT_HOST_PATH=0
-    _ht_last_counts: dict[tuple[Any, ...], tuple[int, int]]  # (call, expand, alignment) -> last counts
     _serial: int
     _torch_device: torch.device
     num_ranks: int
@@ -559,31 +544,15 @@ class HighThroughputMixin:
                 launch.stream,
             )
 
-        # Speculative epilogue (opt-in, EP_HT_SPECULATIVE_EPILOGUE=1; bitwise tested on one H200): with a
-        # CPU sync, the outputs are allocated at a capacity guessed from the previous call of this
-        # shape and the copy epilogue is queued before the host waits for the counts, so the GPU
-        # does not idle while the host allocates; the outputs are then narrowed to the counts, or,
-        # when the guess was short, allocated exactly and copied again (the epilogue skips rows past
-        # the allocated ones).
-        speculative = False
         if not cached:
-            history_key = (call, do_expand, expert_alignment)  # one cached HtCall per shape
-            worst_recv, worst_expanded = worst_case_rows(
-                num_ranks, num_max_tokens, num_topk, num_experts, expert_alignment
-            )
-            speculate = do_cpu_sync and self._ht_speculative_epilogue and not zero_copy_recv
-            last = self._ht_last_counts.get(history_key) if speculate else None
-            speculative = last is not None
-            if speculative:
-                new_handle.num_recv_tokens = speculative_rows(last[0], worst_recv)
-                new_handle.num_expanded_tokens = speculative_rows(last[1], worst_expanded)
-            elif do_cpu_sync:
+            if do_cpu_sync:
                 # The dispatch kernel is already moving data; only the output allocation waits. This
                 # is a synchronisation point: what the kernels reported so far is raised here.
-                self._read_dispatch_counts(launch.join_caller, new_handle, num_local, history_key)
+                self._read_dispatch_counts(launch.join_caller, new_handle, num_local)
             else:
-                new_handle.num_recv_tokens = worst_recv
-                new_handle.num_expanded_tokens = worst_expanded
+                new_handle.num_recv_tokens, new_handle.num_expanded_tokens = worst_case_rows(
+                    num_ranks, num_max_tokens, num_topk, num_experts, expert_alignment
+                )
             allocate_meta()
 
         num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
@@ -594,21 +563,6 @@ class HighThroughputMixin:
         if previous_event_before_epilogue is not None:
             launch.comm.wait_event(cuda_event(previous_event_before_epilogue))
         epilogue(outputs)
-        if speculative:
-            capacity = (new_handle.num_recv_tokens, num_rows)
-            self._read_dispatch_counts(launch.join_caller, new_handle, num_local, history_key)
-            num_rows = new_handle.num_expanded_tokens if do_expand else new_handle.num_recv_tokens
-            if new_handle.num_recv_tokens <= capacity[0] and num_rows <= capacity[1]:
-                outputs = tuple(None if t is None else t[:num_rows] for t in outputs)
-                new_handle.recv_src_info = new_handle.recv_src_info[: new_handle.num_recv_tokens]
-                if do_expand:
-                    new_handle.recv_expanded_row_idx = new_handle.recv_expanded_row_idx[: new_handle.num_recv_tokens]
-            else:
-                # Short guess: exact outputs and a second copy. The first ones stay referenced by the
-                # launch (finish() keeps them until the epilogue that writes them is done).
-                allocate_meta()
-                outputs = allocate_outputs(num_rows)
-                epilogue(outputs)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights = outputs
         if packed_scales:
             recv_scales = _packed_like_input(launch, recv_scales, device)
@@ -639,8 +593,7 @@ class HighThroughputMixin:
         """dispatch through the C++ host path, or None: the Python path takes the call. Cached: one
         call. Uncached: the checks and launches up to the host's wait there, the handle built here
         (while the notify runs), then the wait for the counts, the outputs and the copy epilogue
-        there; a failed wait comes back as an int and is raised here (the speculative epilogue
-        stays on the Python path)."""
+        there; a failed wait comes back as an int and is raised here."""
         if handle is not None:
             if not (
                 type(handle) is EPHandle
@@ -665,8 +618,7 @@ class HighThroughputMixin:
         if num_max_tokens_per_rank is None:
             num_max_tokens_per_rank = self.num_max_tokens_per_rank
         if (
-            self._ht_speculative_epilogue
-            or type(num_experts) is not int
+            type(num_experts) is not int
             or type(num_max_tokens_per_rank) is not int
             or type(expert_alignment) is not int
             or type(do_expand) is not bool
@@ -712,12 +664,9 @@ class HighThroughputMixin:
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return out_x, recv_topk_idx, recv_topk_weights, handle, EventOverlap(None)
 
-    def _read_dispatch_counts(
-        self, join_caller: Callable[[], None], handle: EPHandle, num_local: int, history_key: tuple | None = None
-    ) -> None:
+    def _read_dispatch_counts(self, join_caller: Callable[[], None], handle: EPHandle, num_local: int) -> None:
         """The host wait for an uncached dispatch's counts (a synchronisation point: what the kernels
-        reported so far is raised here); fills the handle's sizes and remembers them for this shape
-        (``history_key``: the speculative epilogue's guess)."""
+        reported so far is raised here); fills the handle's sizes."""
         try:
             self._wait_mapped_counter(_C.HT_MAPPED_READY)
             values = self._runtime.read_mapped_counters(0, _C.HT_MAPPED_ALIGNED_EXPERT_COUNTS + num_local)
@@ -730,8 +679,6 @@ class HighThroughputMixin:
         handle.num_recv_tokens = values[_C.HT_MAPPED_NUM_RECV_TOKENS]
         handle.num_expanded_tokens = values[_C.HT_MAPPED_NUM_EXPANDED_TOKENS]
         handle.num_recv_tokens_per_expert_list = list(values[_C.HT_MAPPED_ALIGNED_EXPERT_COUNTS :])
-        if history_key is not None:
-            self._ht_last_counts[history_key] = (handle.num_recv_tokens, handle.num_expanded_tokens)
 
     def _raise_dispatch_count_failure(self, join_caller: Callable[[], None], wait_value: int) -> None:
         """The host path's wait for the counts ended on a timeout or found an error the kernels

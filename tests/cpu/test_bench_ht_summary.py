@@ -220,15 +220,6 @@ def test_planned_scaleout_copies_count_other_nodes_per_token():
     assert bench_ht.planned_scaleout_copies(topk_idx[:0], 8, 4, 2, rank=2) is None
 
 
-def test_speculative_operations_are_listed_only_when_asked_for():
-    assert "dispatch_fp8_speculative" not in bench_ht.operation_names({})
-    names = bench_ht.operation_names({"speculative_epilogue": True, "baseline": True})
-    assert names[: len(bench_ht.OPERATIONS)] == bench_ht.OPERATIONS
-    assert "dispatch_fp8_speculative" in names and "dispatch_bf16_speculative" in names
-    assert names[-len(bench_ht.BASELINE_OPERATIONS) :] == bench_ht.BASELINE_OPERATIONS
-    assert bench_ht.token_bytes("dispatch_fp8_speculative", HIDDEN) == bench_ht.token_bytes("dispatch_fp8", HIDDEN)
-
-
 def test_zero_copy_operations_are_listed_only_when_asked_for():
     assert not set(bench_ht.ZERO_COPY_OPERATIONS) & set(bench_ht.operation_names({}))
     names = bench_ht.operation_names({"zero_copy": True})

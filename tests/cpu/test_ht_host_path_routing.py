@@ -44,7 +44,6 @@ class _Buffer(HighThroughputMixin):
         self._torch_device = torch.device("cuda", 0)
         self._runtime = object()
         self._ht_host_path = host_path
-        self._ht_speculative_epilogue = False
         self.num_ranks = 2
         self.num_max_tokens_per_rank = 16
         self.num_experts = 8

@@ -16,7 +16,7 @@ from ht_checks import (
     make_buffer,
 )
 
-from deep_ep import high_throughput, per_token_cast_back, per_token_cast_to_fp8
+from deep_ep import per_token_cast_back, per_token_cast_to_fp8
 from deep_ep.testing import launch
 from deep_ep.testing.data import make_routing, make_tokens, make_weights
 from deep_ep.testing.reference import ht_combine, ht_dispatch
@@ -106,55 +106,6 @@ def _cached_no_sync_and_events(rank, num_ranks, group):
 
 def test_cached_no_cpu_sync_and_event_variants_equal_synced_dispatch(num_ranks):
     launch(_cached_no_sync_and_events, num_ranks)
-
-
-def _speculative_epilogue(rank, num_ranks, group):
-    """EP_HT_SPECULATIVE_EPILOGUE: outputs allocated at a guessed capacity and narrowed (guess large
-    enough), or allocated again and copied a second time (guess short), equal the exact dispatch."""
-    buffer = make_buffer(group, num_max_tokens_per_rank=512, hidden=2048)
-    headroom = high_throughput.SPECULATIVE_HEADROOM_ROWS
-    try:
-        for case in (NON_EXPAND, EXPAND):
-            inputs = group_inputs(case, num_ranks)
-            buffer._ht_speculative_epilogue = False
-            want = dispatch_case(buffer, rank, case, inputs)  # exact; remembers the counts of this shape
-            exact = want[3]
-            buffer._ht_speculative_epilogue = True
-            for label, short in (("guess from the last call", False), ("guess short", True)):
-                if short:
-                    # Last count 0 and no headroom: a capacity of one row, below what arrives.
-                    for key in buffer._ht_last_counts:
-                        buffer._ht_last_counts[key] = (0, 0)
-                    high_throughput.SPECULATIVE_HEADROOM_ROWS = 1
-                try:
-                    got = dispatch_case(buffer, rank, case, inputs)
-                finally:
-                    high_throughput.SPECULATIVE_HEADROOM_ROWS = headroom
-                handle = got[3]
-                name = f"{case.name} speculative, {label}"
-                assert_outputs_equal(name, got, want)
-                assert handle.num_recv_tokens == exact.num_recv_tokens, name
-                assert handle.num_expanded_tokens == exact.num_expanded_tokens, name
-                assert handle.num_recv_tokens_per_expert_list == exact.num_recv_tokens_per_expert_list, name
-                assert_bitwise_equal(f"{name} recv_src_info", handle.recv_src_info, exact.recv_src_info)
-                if case.do_expand:
-                    assert_bitwise_equal(
-                        f"{name} expanded rows", handle.recv_expanded_row_idx, exact.recv_expanded_row_idx
-                    )
-                y = expert_output(want[0], rank, True)
-                combined = buffer.combine(y, handle, topk_weights=got[2])
-                reference = buffer.combine(y, exact, topk_weights=want[2])
-                assert_bitwise_equal(f"{name} combine", combined[0], reference[0])
-            # The short guess must really have been short, or the second copy went untested.
-            assert exact.num_recv_tokens > 1, exact.num_recv_tokens
-        buffer._check_device_errors()
-        assert buffer._debug_count_dirty_workspace_bytes() == 0, "workspace not back to zero"
-    finally:
-        buffer.destroy()
-
-
-def test_speculative_epilogue_equals_the_exact_dispatch(num_ranks):
-    launch(_speculative_epilogue, num_ranks)
 
 
 GRAPH_CASE = Case("graph bf16 H2048 K8 E64", 2048, 8, 64, 128, False, seed=31)
