@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: build with all cores, start MPS, run the GPU tests for each
 # rank count, run the benchmarks, stop MPS, and print a short summary last. Logs, JSON and plots go
-# to $OUT (the device tool's output folder) or ./out.
+# to $OUT or ./out.
 #
 # Knobs: EP_GPU_CHECK_RANKS (default 1,2,4,8; "none" runs no tests), EP_GPU_CHECK_TESTS (default tests/gpu),
 #        EP_GPU_CHECK_BENCH (1 = run benchmarks, default 1), EP_GPU_CHECK_BENCH_RANKS (default 8),
@@ -23,8 +23,8 @@
 # suites took 29 s instead of 74); EP_TEST_POOL=0 starts fresh ones for every launch. Each test's
 # result is a line of its own (-v), so a step killed by its limit still shows which tests had passed.
 # With two or more GPUs the peer-copy ceilings (benchmarks/peer_copy.py) are measured first.
-# The device tool brings back at most 8 files (at any depth): when $OUT holds more, everything but
-# the JSON results is packed into $OUT/logs.tar.gz (scripts/pack_out.sh).
+# When $OUT holds more than 8 files (at any depth), everything but the JSON results is packed into
+# $OUT/logs.tar.gz (scripts/pack_out.sh), for runners that return a bounded number of files.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-$PWD/out}

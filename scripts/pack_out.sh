@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Keeps what comes back from a device run's output folder within the device tool's limit on the
-# number of files (8 by default): when the folder holds more files (at any depth), everything but
+# Keeps an output folder within a limit on its number of files (8 by default), for runners that
+# return a bounded number of files: when the folder holds more files (at any depth), everything but
 # the JSON results goes into DIR/logs.tar.gz; if the JSON files alone still leave no room for the
 # archive, they go in too. Empty folders left behind are removed. Prints what it did.
 #

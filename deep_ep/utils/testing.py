@@ -30,6 +30,7 @@ __all__ = [
     "empty_suppress",
     "flush_l2_cache",
     "kernel_durations_from_table",
+    "kineto_table_lines",
     "suppress_stdout_stderr",
 ]
 
@@ -134,6 +135,12 @@ def _seconds(cell: str) -> float:
         if cell.endswith(unit):
             return float(cell[: -len(unit)]) / per_second
     raise ValueError(f"not a profiler time: {cell!r}")
+
+
+def kineto_table_lines(profiler: Any) -> list[str]:
+    """The lines of ``profiler``'s key_averages table as ``bench_kineto`` reads it (sorted by total
+    CUDA time, names up to 100 characters): each kernel name must match at most one line."""
+    return profiler.key_averages().table(sort_by="cuda_time_total", max_name_column_width=100).split("\n")
 
 
 def kernel_durations_from_table(table_lines: list[str], kernel_names: tuple[str, ...]) -> list[float]:
@@ -243,8 +250,7 @@ def bench_kineto(
                 torch.cuda.synchronize()
                 profiler.step()
 
-    table = profiler.key_averages().table(sort_by="cuda_time_total", max_name_column_width=100).split("\n")
-    durations: list[Any] = kernel_durations_from_table(table, names)
+    durations: list[Any] = kernel_durations_from_table(kineto_table_lines(profiler), names)
     if trace_path is not None:
         profiler.export_chrome_trace(trace_path)
     if num_kernels_per_period > 1:

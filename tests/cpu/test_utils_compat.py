@@ -599,3 +599,19 @@ def test_gather_shim_views_a_stacked_output_as_gloo_wants_it():
     gather(flat, torch.ones(4, 2))
     assert seen[-1] == (12, 2)
     assert gather.deep_ep_shim
+
+
+def test_kineto_table_lines_reads_the_table_bench_kineto_reads():
+    seen = {}
+
+    class Averages:
+        def table(self, **kwargs):
+            seen.update(kwargs)
+            return "header\nrow dispatch\nrow combine"
+
+    class Profiler:
+        def key_averages(self):
+            return Averages()
+
+    assert testing.kineto_table_lines(Profiler()) == ["header", "row dispatch", "row combine"]
+    assert seen == {"sort_by": "cuda_time_total", "max_name_column_width": 100}

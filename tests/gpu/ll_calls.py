@@ -13,6 +13,7 @@ import torch
 from deep_ep.fp8 import per_token_cast_back
 from deep_ep.low_latency import KERNEL_NAMES
 from deep_ep.testing.reference import ll_combine, ll_dispatch
+from deep_ep.utils.testing import kineto_table_lines
 
 # The words by which DeepEP's bench_kineto (copied by serving stacks) finds the LL kernels in a
 # profile: each must name exactly one row of the profiler's table.
@@ -165,10 +166,9 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def kineto_table_rows(prof: Any, word: str) -> list[str]:
-    """The lines of ``prof``'s key_averages table that contain ``word``: DeepEP's bench_kineto builds
-    this table (same arguments) and asserts that exactly one line contains each kernel word."""
-    table = prof.key_averages().table(sort_by="cuda_time_total", max_name_column_width=100)
-    return [line for line in table.split("\n") if word in line]
+    """The lines of ``prof``'s key_averages table that contain ``word``, the table bench_kineto reads
+    (one line per kernel word is what it needs)."""
+    return [line for line in kineto_table_lines(prof) if word in line]
 
 
 @dataclass
